@@ -1,0 +1,57 @@
+"""The ``kcloak`` command line (contract §9): thin parsing, work done by the owning package.
+
+Each subcommand module exposes ``add_parser(subparsers)``; the parser's ``func`` default is a
+callable taking the parsed namespace and returning the exit code. Exit codes: 0 success,
+1 runtime failure, 2 usage or bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from broker import __version__
+
+# Modules that contribute subcommands, in the order ``--help`` lists them.
+_COMMAND_MODULES: tuple[str, ...] = ("cloaking.bench_cli",)
+
+
+class UsageError(Exception):
+    """Bad input detected after parsing (exit 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kcloak",
+        description=(
+            "kcloak: a trusted anonymizer between mobile apps and location-based services. "
+            "It cloaks each query into a region shared with at least k users before anything "
+            "reaches the provider, and publishes movement data only in anonymized form."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"kcloak {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except UsageError as exc:
+        print(f"kcloak: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kcloak: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Spatial cloakers behind one protocol and a registry by name (CONCEPTS §4)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cloaking.cloakers.base import (
+    BATCH_CODES,
+    STATUS_OK,
+    BatchResult,
+    Cloaker,
+    CloakResult,
+    Refusal,
+    Region,
+    cloak_each,
+    finish_region,
+    refuse,
+)
+
+# name -> "module:Class"; modules are imported on first use.
+_REGISTRY: dict[str, str] = {
+    "nn": "cloaking.cloakers.nn:NearestNeighbourCloak",
+    "interval": "cloaking.cloakers.interval:IntervalCloak",
+    "casper": "cloaking.cloakers.casper:CasperCloak",
+    "hilbert": "cloaking.cloakers.hilbert:HilbertCloak",
+    "clique": "cloaking.cloakers.clique:CliqueCloak",
+    "privacygrid": "cloaking.cloakers.privacygrid:PrivacyGridCloak",
+}
+SPATIAL_ALGORITHMS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def cloaker_class(name: str) -> type[Any]:
+    """The class registered under ``name`` (KeyError for an unknown name)."""
+    target = _REGISTRY[name]
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+
+def get_cloaker(name: str, **params: Any) -> Any:
+    """A cloaker instance by its contract name (``--algorithm`` values).
+
+    Snapshot cloakers satisfy :class:`Cloaker`; ``clique`` holds requests and is driven by an
+    explicit clock instead (see :mod:`cloaking.cloakers.clique`).
+    """
+    return cloaker_class(name)(**params)
+
+
+__all__ = [
+    "BATCH_CODES",
+    "SPATIAL_ALGORITHMS",
+    "STATUS_OK",
+    "BatchResult",
+    "CloakResult",
+    "Cloaker",
+    "Refusal",
+    "Region",
+    "cloak_each",
+    "cloaker_class",
+    "finish_region",
+    "get_cloaker",
+    "refuse",
+]

@@ -1,0 +1,201 @@
+"""The common contract of every spatial cloaker (CONCEPTS §4.0).
+
+A cloaker is a strategy object: ``cloak(view, row, profile)`` returns a :class:`Region` or a
+:class:`Refusal` for the user at ``row`` of an immutable :class:`~cloaking.index.IndexView`
+under its effective profile; ``cloak_batch`` does the same for many requests against one
+view and returns columns. Cloakers are deterministic given the view (its epoch seed
+included) and cache per-view state in ``view.cache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from cloaking.geometry import BBox, expand_to_area
+from cloaking.index import IndexView
+from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+I64 = npt.NDArray[np.int64]
+_EMPTY = np.empty(0, np.int64)
+_EMPTY.setflags(write=False)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Region:
+    """A cloaked region ready to forward, with what the broker answers and records internally.
+
+    ``anon_set`` (view rows) is internal and never forwarded (§1.1); ``k_achieved`` is the exact
+    number of present users strictly inside ``bbox``, querier included.
+    """
+
+    bbox: BBox
+    k_achieved: int
+    area_m2: float
+    algorithm: str
+    epoch: int = 0
+    anon_set: I64 = field(default_factory=lambda: _EMPTY)
+    l_achieved: int | None = None
+    t_start: int | None = None
+    t_end: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request that cannot be met: nothing is forwarded (§3.3)."""
+
+    reason: ReasonCode
+    message: str
+
+
+CloakResult = Region | Refusal
+
+# Status codes of BatchResult.status: 0 = ok, otherwise the index in this tuple.
+BATCH_CODES: tuple[ReasonCode | None, ...] = (
+    None,
+    ReasonCode.K_UNREACHABLE,
+    ReasonCode.AREA_EXCEEDED,
+    ReasonCode.L_UNREACHABLE,
+    ReasonCode.UNSUPPORTED,
+    ReasonCode.EXPIRED,
+)
+STATUS_OK = 0
+STATUS_OF: dict[ReasonCode, int] = {c: i for i, c in enumerate(BATCH_CODES) if c is not None}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BatchResult:
+    """Columns of ``cloak_batch`` results, one entry per request.
+
+    ``bbox`` holds micro-degree edges ``[min_lon, min_lat, max_lon, max_lat]`` (undefined where
+    ``status`` is not 0); ``group`` identifies the anonymizing set where the algorithm has one
+    (Hilbert bucket, quadtree cell), else −1.
+    """
+
+    algorithm: str
+    epoch: int
+    status: npt.NDArray[np.int8]
+    bbox: I64
+    k_achieved: I64
+    area_m2: npt.NDArray[np.float64]
+    group: I64
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    @classmethod
+    def empty(cls, algorithm: str, epoch: int, n: int) -> BatchResult:
+        return cls(
+            algorithm,
+            epoch,
+            np.zeros(n, np.int8),
+            np.zeros((n, 4), np.int64),
+            np.zeros(n, np.int64),
+            np.zeros(n, np.float64),
+            np.full(n, -1, np.int64),
+        )
+
+    @property
+    def ok(self) -> npt.NDArray[np.bool_]:
+        out: npt.NDArray[np.bool_] = self.status == STATUS_OK
+        return out
+
+    def __getitem__(self, i: int) -> CloakResult:
+        s = int(self.status[i])
+        if s != STATUS_OK:
+            code = BATCH_CODES[s]
+            assert code is not None
+            return Refusal(code, REFUSAL_MESSAGES[code])
+        b = self.bbox[i]
+        return Region(
+            bbox=BBox(int(b[0]), int(b[1]), int(b[2]), int(b[3])),
+            k_achieved=int(self.k_achieved[i]),
+            area_m2=float(self.area_m2[i]),
+            algorithm=self.algorithm,
+            epoch=self.epoch,
+        )
+
+    def set(self, i: int, result: CloakResult) -> None:
+        """Store one scalar result (used by cloakers whose batch path falls back to ``cloak``)."""
+        if isinstance(result, Refusal):
+            self.status[i] = STATUS_OF[result.reason]
+            return
+        self.status[i] = STATUS_OK
+        bb = result.bbox
+        self.bbox[i] = (bb.min_lon_udeg, bb.min_lat_udeg, bb.max_lon_udeg, bb.max_lat_udeg)
+        self.k_achieved[i] = result.k_achieved
+        self.area_m2[i] = result.area_m2
+
+
+REFUSAL_MESSAGES: dict[ReasonCode, str] = {
+    ReasonCode.K_UNREACHABLE: "fewer than k users are present",
+    ReasonCode.AREA_EXCEEDED: "no region with k users fits within max_area_m2",
+    ReasonCode.L_UNREACHABLE: "no region with l place categories fits within max_area_m2",
+    ReasonCode.UNSUPPORTED: "the algorithm cannot honour this profile",
+    ReasonCode.EXPIRED: "not satisfiable within max_delay_s",
+}
+
+
+def refuse(code: ReasonCode, message: str | None = None) -> Refusal:
+    return Refusal(code, message if message is not None else REFUSAL_MESSAGES[code])
+
+
+@runtime_checkable
+class Cloaker(Protocol):
+    """One spatial cloaking algorithm (CONCEPTS §4.0)."""
+
+    name: ClassVar[str]
+    reciprocal: ClassVar[bool]
+    supports_l: ClassVar[bool]
+
+    def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
+        """Cloak the request of the user at view row ``row`` under effective profile ``profile``."""
+        ...
+
+    def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
+        """Cloak many requests against one view."""
+        ...
+
+
+def cloak_each(cloaker: Cloaker, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
+    """Batch by calling ``cloak`` per request (algorithms with no vectorized path)."""
+    out = BatchResult.empty(cloaker.name, view.epoch, len(rows))
+    for i, r in enumerate(rows.tolist()):
+        out.set(i, cloaker.cloak(view, r, profiles[i]))
+    return out
+
+
+def finish_region(
+    view: IndexView,
+    bbox: BBox,
+    profile: PrivacyProfile,
+    *,
+    algorithm: str,
+    min_area_m2: float | None = None,
+    anon_set: I64 = _EMPTY,
+    k_achieved: int | None = None,
+) -> CloakResult:
+    """Grow ``bbox`` to the area floor, enforce ``max_area_m2`` and count the users inside.
+
+    ``min_area_m2`` defaults to the profile's (group-based algorithms pass the group's maximum,
+    §4.4). ``k_achieved`` may be given when the caller counted exactly; it is recounted after
+    any growth. Refuses ``area_exceeded`` when the final bbox is too large.
+    """
+    floor = profile.min_area_m2 if min_area_m2 is None else max(min_area_m2, profile.min_area_m2)
+    grown = expand_to_area(bbox, floor)
+    if grown is None:
+        return refuse(ReasonCode.AREA_EXCEEDED)
+    area = grown.area_m2
+    if area > profile.max_area_m2:
+        return refuse(ReasonCode.AREA_EXCEEDED)
+    if grown is not bbox or k_achieved is None:
+        k_achieved = view.count_in(grown)
+    if k_achieved < profile.k:
+        # Cannot happen for a correct algorithm; refusing is the safe outcome.
+        return refuse(ReasonCode.K_UNREACHABLE, "internal check: region holds fewer than k users")
+    return Region(
+        bbox=grown, k_achieved=k_achieved, area_m2=area, algorithm=algorithm, epoch=view.epoch, anon_set=anon_set
+    )

@@ -1,0 +1,70 @@
+"""The equal-angle quadtree grid shared by the grid cloakers (CONCEPTS §2.1 rule 1).
+
+The root square spans ±2^28 micro-degrees in both axes (±268.435456°, the whole world
+inside), so the cell of level ``h`` is ``2^(29-h)`` micro-degrees wide: every cell edge is a
+whole micro-degree and a cell is an exact lat/lon box, published with no conversion. Level 29
+cells are one micro-degree (≈ 0.11 m). A point's grid coordinate is its floor micro-degree
+(``key >> 1``, see :mod:`cloaking.geometry`) plus ``2^28``; Morton codes interleave the two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+GRID_BITS = 29
+GRID_OFFSET = 1 << 28
+MAX_LEVEL = GRID_BITS
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+def grid_coords(keys: I64) -> I64:
+    """Grid coordinate (0 … 2^29 − 1) of coordinates given by their exact keys."""
+    out: I64 = (keys >> 1) + GRID_OFFSET
+    return out
+
+
+def _spread(v: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    v = v & np.uint64(0x00000000FFFFFFFF)
+    v = (v | (v << np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    v = (v | (v << np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    v = (v | (v << np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    v = (v | (v << np.uint64(2))) & np.uint64(0x3333333333333333)
+    v = (v | (v << np.uint64(1))) & np.uint64(0x5555555555555555)
+    return v
+
+
+def morton_codes(gx: I64, gy: I64) -> U64:
+    """Level-29 Morton codes (x in the even bits, y in the odd bits)."""
+    out: U64 = _spread(gx.astype(np.uint64)) | (_spread(gy.astype(np.uint64)) << np.uint64(1))
+    return out
+
+
+def morton_code(gx: int, gy: int) -> int:
+    """Scalar :func:`morton_codes`."""
+    return int(morton_codes(np.array([gx], np.int64), np.array([gy], np.int64))[0])
+
+
+def cell_code_range(level: int, cx: int, cy: int) -> tuple[int, int]:
+    """Half-open range of level-29 Morton codes covered by a cell."""
+    prefix = morton_code(cx, cy)
+    shift = 2 * (GRID_BITS - level)
+    return prefix << shift, (prefix + 1) << shift
+
+
+def cell_udeg(level: int, cx: int, cy: int) -> tuple[int, int, int, int]:
+    """Exact micro-degree bounds ``(lon0, lat0, lon1, lat1)`` of a cell (half-open)."""
+    s = GRID_BITS - level
+    lon0 = (cx << s) - GRID_OFFSET
+    lat0 = (cy << s) - GRID_OFFSET
+    return lon0, lat0, lon0 + (1 << s), lat0 + (1 << s)
+
+
+def level_for_size(size_udeg: float) -> int:
+    """Deepest level whose cells are at least ``size_udeg`` wide."""
+    if size_udeg <= 1:
+        return MAX_LEVEL
+    lvl = GRID_BITS - int(np.ceil(np.log2(size_udeg)))
+    return max(0, min(MAX_LEVEL, lvl))

@@ -1,0 +1,442 @@
+"""The position index: latest fix per user in numpy columns, and immutable views (§2.3, §2.4).
+
+``PositionIndex`` is mutable and cheap to update (O(1) per fix, vectorized batches).
+``IndexView`` is an immutable snapshot of the *present* users at one instant; every cloaker
+reads a view, never the mutating index, so a decision can be replayed and checked. Views
+build their search structures lazily and cache them, and cloakers cache their per-view state
+(Hilbert buckets, …) in :attr:`IndexView.cache`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import shapely
+
+from cloaking.geometry import WORLD_LAT_UDEG, WORLD_LON_UDEG, BBox, coordinate_key, coordinate_keys
+from cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
+from cloaking.profile import PrivacyProfile
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+_DEFAULT = PrivacyProfile()
+
+
+class IndexError_(KeyError):
+    """Unknown user in the position index."""
+
+
+class PositionIndex:
+    """Latest accepted fix of every user, as numpy columns plus a user → row map.
+
+    Columns: ``lat``, ``lon``, ``t`` (the fix), ``alive`` (row in use), and the stored-profile
+    columns that partition-based cloakers need for everyone (``k``, ``min_area_m2``), plus a
+    random per-user ``salt`` used to break ties without leaking arrival order or ids.
+
+    Keyword arguments:
+        stale_after_s: a user is present while its fix is at most this old (default 60).
+        capacity: initial number of rows (default 1024); the columns double when full.
+        default_profile: stored-profile values for users that have none (default: contract).
+    """
+
+    def __init__(
+        self,
+        *,
+        stale_after_s: float = 60.0,
+        capacity: int = 1024,
+        default_profile: PrivacyProfile = _DEFAULT,
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.default_profile = default_profile
+        self._row: dict[str, int] = {}
+        self._ids: list[str | None] = []
+        self._free: list[int] = []
+        self._lat: F64 = np.zeros(0)
+        self._lon: F64 = np.zeros(0)
+        self._t: F64 = np.zeros(0)
+        self._alive: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._k: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self._min_area: F64 = np.zeros(0)
+        self._salt: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
+        self._alloc(max(capacity, 16))
+        self._rng = np.random.default_rng(secrets.randbits(64))
+
+    def _alloc(self, capacity: int) -> None:
+        n_old = len(self._lat)
+        lat = np.zeros(capacity)
+        lon = np.zeros(capacity)
+        t = np.full(capacity, -np.inf)
+        alive = np.zeros(capacity, bool)
+        k = np.full(capacity, self.default_profile.k, np.int32)
+        min_area = np.full(capacity, self.default_profile.min_area_m2)
+        salt = np.zeros(capacity, np.uint64)
+        if n_old:
+            lat[:n_old] = self._lat
+            lon[:n_old] = self._lon
+            t[:n_old] = self._t
+            alive[:n_old] = self._alive
+            k[:n_old] = self._k
+            min_area[:n_old] = self._min_area
+            salt[:n_old] = self._salt
+        self._lat, self._lon, self._t, self._alive = lat, lon, t, alive
+        self._k, self._min_area, self._salt = k, min_area, salt
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def __contains__(self, user: object) -> bool:
+        return user in self._row
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the numpy columns (the dict and id strings are extra)."""
+        return int(
+            self._lat.nbytes
+            + self._lon.nbytes
+            + self._t.nbytes
+            + self._alive.nbytes
+            + self._k.nbytes
+            + self._min_area.nbytes
+            + self._salt.nbytes
+        )
+
+    def _new_row(self, user: str) -> int:
+        if self._free:
+            row = self._free.pop()
+            self._ids[row] = user
+        else:
+            row = len(self._ids)
+            if row >= len(self._lat):
+                self._alloc(2 * len(self._lat))
+            self._ids.append(user)
+        self._row[user] = row
+        self._alive[row] = True
+        self._salt[row] = self._rng.integers(0, 2**63, dtype=np.uint64)
+        self._k[row] = self.default_profile.k
+        self._min_area[row] = self.default_profile.min_area_m2
+        return row
+
+    def update(self, user: str, lat: float, lon: float, t: float) -> None:
+        """Set the latest fix of ``user`` (adds the user if new). O(1)."""
+        row = self._row.get(user)
+        if row is None:
+            row = self._new_row(user)
+        self._lat[row] = lat
+        self._lon[row] = lon
+        self._t[row] = t
+
+    def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> None:
+        """Apply many fixes at once; for a user named twice the later item wins."""
+        get = self._row.get
+        rows = [get(u, -1) for u in users]
+        if -1 in rows:
+            for i, r in enumerate(rows):
+                if r == -1:
+                    r = self._row.get(users[i], -1)
+                    rows[i] = r if r != -1 else self._new_row(users[i])
+        idx = np.asarray(rows, dtype=np.int64)
+        lat_a = np.asarray(lat, dtype=np.float64)
+        lon_a = np.asarray(lon, dtype=np.float64)
+        t_a = np.asarray(t, dtype=np.float64)
+        if len(np.unique(idx)) != len(idx):
+            last = {r: i for i, r in enumerate(rows)}
+            keep = np.fromiter(last.values(), np.int64, len(last))
+            idx, lat_a, lon_a, t_a = idx[keep], lat_a[keep], lon_a[keep], t_a[keep]
+        self._lat[idx] = lat_a
+        self._lon[idx] = lon_a
+        self._t[idx] = t_a
+
+    def remove(self, user: str) -> None:
+        """Forget ``user`` entirely. O(1)."""
+        row = self._row.pop(user, None)
+        if row is None:
+            return
+        self._ids[row] = None
+        self._alive[row] = False
+        self._t[row] = -np.inf
+        self._free.append(row)
+
+    def set_profile(self, user: str, profile: PrivacyProfile | None) -> None:
+        """Record the stored profile of ``user`` (``None``: the default) for group-based cloakers."""
+        row = self._row.get(user)
+        if row is None:
+            row = self._new_row(user)
+        p = profile if profile is not None else self.default_profile
+        self._k[row] = p.k
+        self._min_area[row] = p.min_area_m2
+
+    def fix(self, user: str) -> tuple[float, float, float] | None:
+        """``(lat, lon, t)`` of the user's latest fix, or ``None``."""
+        row = self._row.get(user)
+        if row is None or self._t[row] == -np.inf:
+            return None
+        return float(self._lat[row]), float(self._lon[row]), float(self._t[row])
+
+    def is_present(self, user: str, now: float) -> bool:
+        row = self._row.get(user)
+        return row is not None and bool(self._t[row] >= now - self.stale_after_s)
+
+    def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
+        """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``)."""
+        n = len(self._ids)
+        rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
+        ids = self._ids
+        return IndexView(
+            user_ids=[ids[r] for r in rows.tolist()],  # type: ignore[misc]
+            lat=self._lat[rows],
+            lon=self._lon[rows],
+            t=self._t[rows],
+            k=self._k[rows].astype(np.int64),
+            min_area_m2=self._min_area[rows],
+            salt=self._salt[rows],
+            now=now,
+            epoch=epoch,
+            seed=seed,
+        )
+
+
+class IndexView:
+    """Present users at one instant; rows ``0 … n−1`` are the view's own numbering.
+
+    Arrays are read-only. Search structures are built on first use: Morton-sorted codes for
+    quadtree cell counts, sorted keys for edge strips, an STR-tree for arbitrary boxes.
+    """
+
+    def __init__(
+        self,
+        *,
+        user_ids: list[str],
+        lat: F64,
+        lon: F64,
+        t: F64,
+        k: I64 | None = None,
+        min_area_m2: F64 | None = None,
+        salt: npt.NDArray[np.uint64] | None = None,
+        now: float = 0.0,
+        epoch: int = 0,
+        seed: int = 0,
+    ) -> None:
+        n = len(user_ids)
+        self.user_ids = user_ids
+        self.lat = np.asarray(lat, dtype=np.float64)
+        self.lon = np.asarray(lon, dtype=np.float64)
+        self.t = np.asarray(t, dtype=np.float64)
+        self.k = np.asarray(k if k is not None else np.full(n, _DEFAULT.k), dtype=np.int64)
+        self.min_area_m2 = np.asarray(
+            min_area_m2 if min_area_m2 is not None else np.full(n, _DEFAULT.min_area_m2), dtype=np.float64
+        )
+        if salt is None:
+            salt = np.array([hash_user(u) for u in user_ids], dtype=np.uint64)
+        self.salt = np.asarray(salt, dtype=np.uint64)
+        for a in (self.lat, self.lon, self.t, self.k, self.min_area_m2, self.salt):
+            if len(a) != n:
+                raise ValueError("IndexView: every column must have one entry per user")
+            a.setflags(write=False)
+        self.now = now
+        self.epoch = epoch
+        self.seed = seed
+        self.cache: dict[Any, Any] = {}
+        """Per-view state of cloakers, keyed by whatever the cloaker chooses."""
+
+    @classmethod
+    def from_points(
+        cls,
+        user_ids: Iterable[str],
+        lat: npt.ArrayLike,
+        lon: npt.ArrayLike,
+        *,
+        t: npt.ArrayLike | None = None,
+        k: npt.ArrayLike | None = None,
+        min_area_m2: npt.ArrayLike | None = None,
+        now: float = 0.0,
+        epoch: int = 0,
+        seed: int = 0,
+    ) -> IndexView:
+        """A view from plain arrays (tests, benchmarks, replays of a recorded snapshot)."""
+        ids = list(user_ids)
+        lat_a = np.asarray(lat, dtype=np.float64)
+        return cls(
+            user_ids=ids,
+            lat=lat_a,
+            lon=np.asarray(lon, dtype=np.float64),
+            t=np.asarray(t, dtype=np.float64) if t is not None else np.full(len(ids), now),
+            k=np.asarray(k, dtype=np.int64) if k is not None else None,
+            min_area_m2=np.asarray(min_area_m2, dtype=np.float64) if min_area_m2 is not None else None,
+            now=now,
+            epoch=epoch,
+            seed=seed,
+        )
+
+    def __len__(self) -> int:
+        return len(self.user_ids)
+
+    @cached_property
+    def row_of(self) -> dict[str, int]:
+        """User id → view row."""
+        return {u: i for i, u in enumerate(self.user_ids)}
+
+    def row(self, user: str) -> int | None:
+        return self.row_of.get(user)
+
+    def stored_profile_k(self, row: int) -> int:
+        return int(self.k[row])
+
+    # -- exact coordinates -------------------------------------------------------------------
+    @cached_property
+    def lon_key(self) -> I64:
+        """Exact integer keys of the longitudes (see :mod:`cloaking.geometry`)."""
+        k = coordinate_keys(self.lon)
+        k.setflags(write=False)
+        return k
+
+    @cached_property
+    def lat_key(self) -> I64:
+        k = coordinate_keys(self.lat)
+        k.setflags(write=False)
+        return k
+
+    @cached_property
+    def gx(self) -> I64:
+        """Level-29 grid column of each user."""
+        return grid_coords(self.lon_key)
+
+    @cached_property
+    def gy(self) -> I64:
+        return grid_coords(self.lat_key)
+
+    @cached_property
+    def morton(self) -> npt.NDArray[np.uint64]:
+        """Level-29 Morton code of each user."""
+        return morton_codes(self.gx, self.gy)
+
+    @cached_property
+    def _morton_sorted(self) -> list[int]:
+        return np.sort(self.morton).tolist()  # type: ignore[no-any-return]
+
+    @cached_property
+    def morton_sorted(self) -> npt.NDArray[np.uint64]:
+        """Sorted Morton codes (for vectorized cell counts with ``searchsorted``)."""
+        return np.sort(self.morton)
+
+    def count_cell(self, level: int, cx: int, cy: int) -> int:
+        """Users whose grid position falls in a cell (half-open). O(log n)."""
+        lo, hi = cell_code_range(level, cx, cy)
+        codes = self._morton_sorted
+        return bisect.bisect_left(codes, hi) - bisect.bisect_left(codes, lo)
+
+    def count_cells(self, level: int, cx: I64, cy: I64) -> I64:
+        """Vectorized :meth:`count_cell`."""
+        shift = np.uint64(2 * (GRID_BITS - level))
+        prefix = morton_codes(cx, cy)
+        lo = prefix << shift
+        hi = (prefix + np.uint64(1)) << shift
+        s = self.morton_sorted
+        out: I64 = (np.searchsorted(s, hi) - np.searchsorted(s, lo)).astype(np.int64)
+        return out
+
+    # -- strict counts in published boxes ----------------------------------------------------
+    @cached_property
+    def _lon_key_sorted(self) -> tuple[list[int], I64]:
+        order = np.argsort(self.lon_key, kind="stable")
+        return self.lon_key[order].tolist(), order
+
+    @cached_property
+    def _lat_key_sorted(self) -> tuple[list[int], I64]:
+        order = np.argsort(self.lat_key, kind="stable")
+        return self.lat_key[order].tolist(), order
+
+    def _rows_with_key(self, axis: int, key: int) -> I64:
+        keys, order = self._lon_key_sorted if axis == 0 else self._lat_key_sorted
+        i = bisect.bisect_left(keys, key)
+        j = bisect.bisect_right(keys, key, lo=i)
+        return order[i:j]
+
+    def cell_rect_bbox(self, level: int, cx0: int, cy0: int, cx1: int, cy1: int) -> BBox:
+        """Published bbox of the cell rectangle ``[cx0, cx1] × [cy0, cy1]`` (inclusive, level ``level``).
+
+        Its lower edges sit one micro-degree below the cells' so that users on them are strictly
+        inside; upper edges are the cells' own. Clipped at the world edge.
+        """
+        lon0, lat0, _, _ = cell_udeg(level, cx0, cy0)
+        _, _, lon1, lat1 = cell_udeg(level, cx1, cy1)
+        return BBox(
+            max(lon0 - 1, -WORLD_LON_UDEG),
+            max(lat0 - 1, -WORLD_LAT_UDEG),
+            min(max(lon1, -WORLD_LON_UDEG + 1), WORLD_LON_UDEG),
+            min(max(lat1, -WORLD_LAT_UDEG + 1), WORLD_LAT_UDEG),
+        )
+
+    def edge_extras(self, bbox: BBox, cell_lon0: int, cell_lat0: int) -> int:
+        """Users strictly inside ``bbox`` but outside the cell rectangle it was published for.
+
+        These can only sit strictly between the published lower edge and the cells' lower edge
+        (keys ``2·lon0 − 1`` and ``2·lat0 − 1``); each is counted once.
+        """
+        extra = 0
+        klon = 2 * cell_lon0 - 1
+        klat = 2 * cell_lat0 - 1
+        lo_lat, hi_lat = 2 * bbox.min_lat_udeg, 2 * bbox.max_lat_udeg
+        lo_lon, hi_lon = 2 * bbox.min_lon_udeg, 2 * bbox.max_lon_udeg
+        if klon > lo_lon:
+            rows = self._rows_with_key(0, klon)
+            if len(rows):
+                lk = self.lat_key[rows]
+                extra += int(np.count_nonzero((lk > lo_lat) & (lk < hi_lat)))
+        if klat > lo_lat:
+            rows = self._rows_with_key(1, klat)
+            if len(rows):
+                ok = self.lon_key[rows]
+                extra += int(np.count_nonzero((ok > lo_lon) & (ok < hi_lon) & (ok != klon)))
+        return extra
+
+    @cached_property
+    def strtree(self) -> shapely.STRtree:
+        """STR-tree over the users' exact keys (integers, exact in float64)."""
+        pts = shapely.points(self.lon_key.astype(np.float64), self.lat_key.astype(np.float64))
+        return shapely.STRtree(pts)
+
+    def rows_in(self, bbox: BBox) -> I64:
+        """View rows strictly inside a published bbox (exact)."""
+        if len(self) == 0 or bbox.max_lon_udeg <= bbox.min_lon_udeg or bbox.max_lat_udeg <= bbox.min_lat_udeg:
+            return np.empty(0, np.int64)
+        box = shapely.box(
+            2 * bbox.min_lon_udeg + 1, 2 * bbox.min_lat_udeg + 1, 2 * bbox.max_lon_udeg - 1, 2 * bbox.max_lat_udeg - 1
+        )
+        out: I64 = self.strtree.query(box).astype(np.int64)
+        return out
+
+    def count_in(self, bbox: BBox) -> int:
+        """Present users strictly inside a published bbox (exact)."""
+        return len(self.rows_in(bbox))
+
+    def count_in_many(self, bboxes: npt.NDArray[np.int64]) -> I64:
+        """Strict counts for an ``(m, 4)`` array of micro-degree boxes ``[lon0, lat0, lon1, lat1]``."""
+        m = len(bboxes)
+        if m == 0 or len(self) == 0:
+            return np.zeros(m, np.int64)
+        b = np.asarray(bboxes, dtype=np.int64)
+        usable = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
+        boxes = shapely.box(2 * b[:, 0] + 1, 2 * b[:, 1] + 1, 2 * b[:, 2] - 1, 2 * b[:, 3] - 1)
+        boxes[~usable] = None
+        pairs = self.strtree.query(boxes)
+        out: I64 = np.bincount(pairs[0], minlength=m).astype(np.int64)
+        return out
+
+
+def hash_user(user: str) -> int:
+    """A stable 63-bit salt for views built from plain arrays (tests, replays)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(user.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def key_of(value: float) -> int:
+    """Exact key of one coordinate (re-exported for convenience)."""
+    return coordinate_key(value)
