@@ -1,0 +1,113 @@
+"""Bearer tokens per user from a tokens file (contract §9 "Tokens file"; §2 ``unauthorized``).
+
+Only SHA-256 digests are kept in memory; comparisons use :func:`hmac.compare_digest`. A token
+acts for its own user only. Lines: ``user_id:token`` or ``user_id:sha256:<64 lowercase hex>``;
+blank lines and ``#`` comments are ignored; a user may have several lines (rotation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.validation import valid_user_id
+
+TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{1,256}$")
+HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class TokensFileError(ValueError):
+    """A tokens file that cannot be used; names the line number, never its content."""
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLine:
+    user: str
+    digest: bytes
+    plaintext: str | None  # kept only while converting to mosquitto's password file
+
+
+@dataclass(slots=True)
+class TokenStore:
+    """Users and the digests of their tokens."""
+
+    _by_user: dict[str, list[bytes]] = field(default_factory=dict)
+    _by_digest: dict[bytes, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_lines(cls, lines: list[TokenLine]) -> TokenStore:
+        store = cls()
+        for line in lines:
+            store._by_user.setdefault(line.user, []).append(line.digest)
+            store._by_digest[line.digest] = line.user
+        return store
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TokenStore:
+        return cls.from_lines(read_tokens_file(path))
+
+    def __len__(self) -> int:
+        return len(self._by_user)
+
+    @property
+    def users(self) -> list[str]:
+        return list(self._by_user)
+
+    def user_of(self, token: str) -> str | None:
+        """The user a bearer token belongs to, or ``None``."""
+        if not TOKEN_RE.match(token):
+            return None
+        digest = token_digest(token)
+        user = self._by_digest.get(digest)
+        if user is None:
+            return None
+        return user if any(hmac.compare_digest(digest, d) for d in self._by_user[user]) else None
+
+    def check(self, user: str, token: str) -> bool:
+        """True iff ``token`` is one of ``user``'s tokens (constant time per stored digest)."""
+        digests = self._by_user.get(user)
+        if not digests or not TOKEN_RE.match(token):
+            return False
+        digest = token_digest(token)
+        ok = False
+        for d in digests:
+            ok |= hmac.compare_digest(digest, d)
+        return ok
+
+
+def parse_tokens(text: str) -> list[TokenLine]:
+    """Parse tokens-file text; raises :class:`TokensFileError` naming the first bad line."""
+    out: list[TokenLine] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        user, sep, rest = line.partition(":")
+        if not sep or not valid_user_id(user):
+            raise TokensFileError(f"tokens file: line {number}: expected user_id:token with a valid user id")
+        if rest.startswith("sha256:"):
+            hexpart = rest[len("sha256:") :]
+            if not HEX64_RE.match(hexpart):
+                raise TokensFileError(f"tokens file: line {number}: sha256 needs 64 lowercase hex digits")
+            out.append(TokenLine(user, bytes.fromhex(hexpart), None))
+            continue
+        if not TOKEN_RE.match(rest):
+            raise TokensFileError(f"tokens file: line {number}: token must be 1-256 chars of [A-Za-z0-9._~+/=-]")
+        out.append(TokenLine(user, token_digest(rest), rest))
+    return out
+
+
+def read_tokens_file(path: str | Path) -> list[TokenLine]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokensFileError(f"tokens file: cannot read {p}") from exc
+    return parse_tokens(text)

@@ -1,0 +1,345 @@
+"""Service configuration: shipped defaults < TOML file < flags (contract §9 "kcloak serve").
+
+Each TOML section is a frozen dataclass whose fields carry their default and the comment that
+``--print-config`` writes back, so the printed defaults are exactly the contract's block.
+Unknown sections or keys, wrong types and inconsistent values raise :class:`ConfigError`
+(the CLI turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cloaking.profile import PrivacyProfile, ProfileError
+
+ALGORITHMS = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
+PUBLISH_METHODS = ("nwa", "w4m", "microagg")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("json", "text")
+_COMMENT_COLUMN = 32
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the rule."""
+
+
+def _c(default: Any, comment: str = "") -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"comment": comment})
+    return field(default=default, metadata={"comment": comment})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    shutdown_grace_s: float = _c(5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    listen: str = _c("127.0.0.1:8470")
+
+
+@dataclass(frozen=True, slots=True)
+class MqttConfig:
+    mode: str = _c("embedded")
+    listen: str = _c("127.0.0.1:1883")
+    username: str = _c("_kcloak", "service account used with mqtt://")
+    password_file: str = _c("")
+    ingest_connections: int = _c(1)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    url: str = _c("http://127.0.0.1:8471")
+    timeout_s: float = _c(2.0)
+    retries: int = _c(2)
+    deadline_s: float = _c(5.0)
+    concurrency: int = _c(64)
+    token_file: str = _c("")
+
+
+@dataclass(frozen=True, slots=True)
+class CloakingConfig:
+    algorithm: str = _c("hilbert")
+    places: str = _c("", '"" = bundled Beijing POIs')
+    stale_after_s: float = _c(60.0)
+    max_update_age_s: float = _c(120.0)
+    max_clock_skew_s: float = _c(5.0)
+    temporal_lookback_s: float = _c(300.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    k: int = _c(5)
+    l: int = _c(1)  # noqa: E741 - the contract's name
+    min_area_m2: float = _c(0.0)
+    max_area_m2: float = _c(4000000.0)
+    max_delay_s: float = _c(30.0)
+
+    def to_profile(self) -> PrivacyProfile:
+        return PrivacyProfile(self.k, self.l, self.min_area_m2, self.max_area_m2, self.max_delay_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsConfig:
+    idle_s: float = _c(120.0)
+    max_s: float = _c(3600.0)
+    per_user: int = _c(4)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    body_bytes: int = _c(65536)
+    batch_bytes: int = _c(1048576)
+    batch_items: int = _c(10000)
+    update_rate: float = _c(20.0, "fixes/s per user, token bucket")
+    update_burst: int = _c(200)
+    query_rate: float = _c(5.0, "queries/s per user")
+    query_burst: int = _c(20)
+    profile_rate: float = _c(1.0)
+    profile_burst: int = _c(5)
+    pending_queries_per_user: int = _c(16)
+    dedup_window_s: float = _c(600.0)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuesConfig:
+    ingest: int = _c(100000)
+    cloak: int = _c(10000)
+    hold: int = _c(10000)
+    upstream: int = _c(10000)
+    store: int = _c(200000)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    data_dir: str = _c("./kcloak-data")
+    retention_s: float = _c(86400.0, "must be ≥ publish.window_s + max_update_age_s")
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    tokens: str = _c("")
+    published_readers: list[str] = field(default_factory=list, metadata={"comment": ""})
+
+
+@dataclass(frozen=True, slots=True)
+class PublishConfig:
+    window_s: int = _c(900)
+    k: int = _c(5)
+    delta_m: float = _c(500.0)
+    method: str = _c("nwa")
+    trash_max: float = _c(0.1)
+    min_points: int = _c(2)
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = _c("info")
+    format: str = _c("json")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The effective configuration of ``kcloak serve``."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    cloaking: CloakingConfig = field(default_factory=CloakingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    queues: QueuesConfig = field(default_factory=QueuesConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    SECTION_COMMENTS: ClassVar[dict[str, str]] = {
+        "profile": "server default profile",
+        "queues": "bounded; full → overloaded",
+    }
+
+    # -- building --------------------------------------------------------------------------
+    @classmethod
+    def from_toml_file(cls, path: str | Path) -> Config:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config: cannot read {p}") from exc
+        return cls.from_toml_text(text)
+
+    @classmethod
+    def from_toml_text(cls, text: str) -> Config:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: not valid TOML ({exc})") from None
+        return cls().merged(data)
+
+    def merged(self, data: dict[str, Any]) -> Config:
+        """This configuration with the values of a TOML-shaped mapping on top."""
+        sections: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            sections[f.name] = getattr(self, f.name)
+        for name, values in data.items():
+            if name not in sections:
+                raise ConfigError(f"config: unknown section [{name}]")
+            if not isinstance(values, dict):
+                raise ConfigError(f"config: [{name}] must be a table")
+            sections[name] = _merge_section(name, sections[name], values)
+        cfg = Config(**sections)
+        cfg.validate()
+        return cfg
+
+    def with_values(self, dotted: dict[str, Any]) -> Config:
+        """Override with ``{"section.key": value}`` (flags); ``None`` values are ignored."""
+        data: dict[str, dict[str, Any]] = {}
+        for key, value in dotted.items():
+            if value is None:
+                continue
+            section, name = key.split(".", 1)
+            data.setdefault(section, {})[name] = value
+        return self.merged(data)
+
+    # -- checking --------------------------------------------------------------------------
+    def validate(self) -> None:
+        _listen(self.http.listen, "http.listen", allow_none=True)
+        _listen(self.mqtt.listen, "mqtt.listen")
+        mode = self.mqtt.mode
+        if mode not in ("embedded", "none") and not mode.startswith("mqtt://"):
+            raise ConfigError('mqtt.mode: must be "embedded", "none" or mqtt://[USER@]HOST[:PORT]')
+        if not self.upstream.url.startswith(("http://", "https://")):
+            raise ConfigError("upstream.url: must be an http:// or https:// URL")
+        if self.cloaking.algorithm not in ALGORITHMS:
+            raise ConfigError(f"cloaking.algorithm: must be one of {', '.join(ALGORITHMS)}")
+        if self.publish.method not in PUBLISH_METHODS:
+            raise ConfigError(f"publish.method: must be one of {', '.join(PUBLISH_METHODS)}")
+        if self.log.level not in LOG_LEVELS:
+            raise ConfigError(f"log.level: must be one of {', '.join(LOG_LEVELS)}")
+        if self.log.format not in LOG_FORMATS:
+            raise ConfigError("log.format: must be json or text")
+        try:
+            self.profile.to_profile()
+        except ProfileError as exc:
+            raise ConfigError(f"profile.{exc}") from None
+        for section in ("server", "upstream", "cloaking", "sessions", "limits", "queues", "storage", "publish"):
+            obj = getattr(self, section)
+            for f in dataclasses.fields(obj):
+                v = getattr(obj, f.name)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    zero_ok = f.name in ("retries", "window_s", "trash_max", "max_clock_skew_s")
+                    if v < 0 or (v == 0 and not zero_ok):
+                        raise ConfigError(f"{section}.{f.name}: must be {'≥ 0' if zero_ok else '> 0'}")
+        if self.mqtt.ingest_connections < 1:
+            raise ConfigError("mqtt.ingest_connections: must be ≥ 1")
+        if self.publish.trash_max >= 1:
+            raise ConfigError("publish.trash_max: must be < 1")
+        if self.publish.k < 2:
+            raise ConfigError("publish.k: must be ≥ 2")
+        if self.storage.retention_s < self.publish.window_s + self.cloaking.max_update_age_s:
+            raise ConfigError("storage.retention_s: must be ≥ publish.window_s + cloaking.max_update_age_s")
+
+    # -- printing --------------------------------------------------------------------------
+    def to_toml(self) -> str:
+        """The configuration as TOML, in the contract's layout (comments included)."""
+        lines: list[str] = []
+        for sf in dataclasses.fields(self):
+            header = f"[{sf.name}]"
+            comment = self.SECTION_COMMENTS.get(sf.name)
+            lines.append(_with_comment(header, comment))
+            obj = getattr(self, sf.name)
+            for f in dataclasses.fields(obj):
+                lines.append(_with_comment(f"{f.name} = {_toml_value(getattr(obj, f.name))}", f.metadata["comment"]))
+        return "\n".join(lines) + "\n"
+
+
+def _merge_section(name: str, current: Any, values: dict[str, Any]) -> Any:
+    known = {f.name: f for f in dataclasses.fields(current)}
+    updates: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"config: unknown key {name}.{key}")
+        default = getattr(type(current)(), key)
+        updates[key] = _coerce(f"{name}.{key}", default, value)
+    return dataclasses.replace(current, **updates)
+
+
+def _coerce(key: str, default: Any, value: Any) -> Any:
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: must be true or false")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: must be an integer")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: must be a string")
+        return value
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: must be a list of strings")
+        return list(value)
+    raise ConfigError(f"{key}: unsupported value")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def _with_comment(text: str, comment: str | None) -> str:
+    if not comment:
+        return text
+    return f"{text:<{_COMMENT_COLUMN}}# {comment}"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 hosts in brackets) → (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ConfigError(f"listen address: expected HOST:PORT, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _listen(value: str, key: str, *, allow_none: bool = False) -> None:
+    if allow_none and value == "none":
+        return
+    try:
+        parse_listen(value)
+    except ConfigError:
+        raise ConfigError(f"{key}: must be HOST:PORT{' or none' if allow_none else ''}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: the only addresses open mode may listen on."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
