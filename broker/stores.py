@@ -1,0 +1,337 @@
+"""Durable stores in the data directory (contract §11): profiles, movement, query log.
+
+SQLite files in WAL mode, ``PRAGMA user_version = 1``, readable by other processes while the
+broker runs. Writes to the movement store and the query log go through one writer thread per
+database that **group-commits**: callers enqueue rows and await a future that resolves only
+after the transaction holding them has committed, so an accepted fix survives ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from cloaking.profile import PrivacyProfile
+
+SCHEMA_VERSION = 1
+
+PROFILES_SQL = """
+CREATE TABLE IF NOT EXISTS profiles(
+    user_id TEXT PRIMARY KEY, k INTEGER, l INTEGER, min_area_m2 REAL, max_area_m2 REAL,
+    max_delay_s REAL, updated_t REAL)
+"""
+MOVEMENT_SQL = """
+CREATE TABLE IF NOT EXISTS fixes(user_id TEXT, t REAL, lat REAL, lon REAL, PRIMARY KEY (user_id, t));
+CREATE INDEX IF NOT EXISTS fixes_t ON fixes(t);
+CREATE TABLE IF NOT EXISTS windows(
+    window_id TEXT PRIMARY KEY, t_start INTEGER, t_end INTEGER,
+    state TEXT CHECK (state IN ('committed','sent')), n_in INTEGER, n_out INTEGER,
+    committed_t REAL, sent_t REAL);
+"""
+QUERYLOG_SQL = """
+CREATE TABLE IF NOT EXISTS forwarded(
+    t REAL, kind TEXT, radius_m REAL, n INTEGER, category TEXT, min_lon REAL, min_lat REAL,
+    max_lon REAL, max_lat REAL, t_start REAL, t_end REAL, area_m2 REAL, k_achieved INTEGER,
+    algorithm TEXT, outcome TEXT CHECK (outcome IN ('ok','upstream_error')))
+"""
+
+
+class StoreError(RuntimeError):
+    """A store that cannot be opened or written (data directory locked, disk error, …)."""
+
+
+def open_db(path: Path, schema: str) -> sqlite3.Connection:
+    """Open (creating if needed) a WAL-mode SQLite database with the contract's version."""
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=5000")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version not in (0, SCHEMA_VERSION):
+        conn.close()
+        raise StoreError(f"{path.name}: unsupported schema version {version}")
+    conn.executescript(schema)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    return conn
+
+
+class DataDir:
+    """The data directory: created with mode 0700 and locked for one ``kcloak serve`` (§11)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> DataDir:
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.path, 0o700)
+            fd = os.open(self.path / "kcloak.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreError(f"data directory: cannot create or open {self.path}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError(f"data directory {self.path} is locked by another kcloak serve") from None
+        self._lock_fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+@dataclass(frozen=True, slots=True)
+class StoredProfile:
+    profile: PrivacyProfile
+    updated_t: float
+
+
+class ProfileStore:
+    """``profiles.sqlite3``: at most one stored profile per user. Small synchronous writes."""
+
+    def __init__(self, path: Path) -> None:
+        self._conn = open_db(path, PROFILES_SQL)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def get(self, user: str) -> StoredProfile | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT k, l, min_area_m2, max_area_m2, max_delay_s, updated_t FROM profiles WHERE user_id = ?",
+                (user,),
+            ).fetchone()
+        if row is None:
+            return None
+        return StoredProfile(PrivacyProfile(int(row[0]), int(row[1]), row[2], row[3], row[4]), row[5])
+
+    def put(self, user: str, profile: PrivacyProfile, t: float) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (user, profile.k, profile.l, profile.min_area_m2, profile.max_area_m2, profile.max_delay_s, t),
+            )
+
+    def delete(self, user: str) -> None:
+        with self._lock:
+            self._conn.execute("DELETE FROM profiles WHERE user_id = ?", (user,))
+
+    def all(self) -> list[tuple[str, StoredProfile]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT user_id, k, l, min_area_m2, max_area_m2, max_delay_s, updated_t FROM profiles"
+            ).fetchall()
+        return [(r[0], StoredProfile(PrivacyProfile(int(r[1]), int(r[2]), r[3], r[4], r[5]), r[6])) for r in rows]
+
+
+class _Batch:
+    __slots__ = ("future", "loop", "rows")
+
+    def __init__(self, rows: Sequence[tuple[Any, ...]], loop: asyncio.AbstractEventLoop) -> None:
+        self.rows = rows
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+
+
+class GroupCommitWriter:
+    """A writer thread that inserts queued rows in as few transactions as possible.
+
+    ``await writer.write(rows)`` returns once the rows are committed. The queue is bounded
+    (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
+    waiting. Timing of each commit is reported to ``on_commit(seconds)``.
+    """
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        insert_sql: str,
+        *,
+        capacity: int,
+        on_commit: Any = None,
+        name: str = "store",
+    ) -> None:
+        self._conn = conn
+        self._sql = insert_sql
+        self._capacity = capacity
+        self._pending_rows = 0
+        self._count_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._on_commit = on_commit
+        self._thread = threading.Thread(target=self._run, name=f"kcloak-{name}-writer", daemon=True)
+        self._extra: queue.SimpleQueue[tuple[str, tuple[Any, ...], _Batch]] = queue.SimpleQueue()
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._pending_rows
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def try_reserve(self, n: int) -> bool:
+        with self._count_lock:
+            if self._pending_rows + n > self._capacity:
+                return False
+            self._pending_rows += n
+            return True
+
+    async def write(self, rows: Sequence[tuple[Any, ...]], *, reserved: bool = False) -> None:
+        """Insert ``rows`` durably (raises :class:`StoreError` if the transaction failed)."""
+        if not rows:
+            return
+        if not reserved:
+            with self._count_lock:
+                self._pending_rows += len(rows)
+        batch = _Batch(rows, asyncio.get_running_loop())
+        self._queue.put(batch)
+        await batch.future
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batches = [first]
+            stop = False
+            while len(batches) < 4096:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batches.append(nxt)
+            self._commit(batches)
+            if stop:
+                return
+
+    def _commit(self, batches: list[_Batch]) -> None:
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            self._conn.execute("BEGIN")
+            for b in batches:
+                self._conn.executemany(self._sql, b.rows)
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            error = exc
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+        elapsed = time.perf_counter() - started
+        n = sum(len(b.rows) for b in batches)
+        with self._count_lock:
+            self._pending_rows -= n
+        if self._on_commit is not None:
+            self._on_commit(elapsed)
+        for b in batches:
+            b.loop.call_soon_threadsafe(_settle, b.future, error)
+
+    def close(self) -> None:
+        """Finish every queued write, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(StoreError(f"store write failed: {type(error).__name__}"))
+
+
+class MovementStore:
+    """``movement.sqlite3``: every accepted fix (the write-ahead history) and window states."""
+
+    INSERT = "INSERT OR IGNORE INTO fixes(user_id, t, lat, lon) VALUES (?, ?, ?, ?)"
+
+    def __init__(self, path: Path, *, capacity: int = 200_000, on_commit: Any = None) -> None:
+        self.path = path
+        self._conn = open_db(path, MOVEMENT_SQL)
+        self._read = sqlite3.connect(path, check_same_thread=False)
+        self._read_lock = threading.Lock()
+        self.writer = GroupCommitWriter(
+            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="movement"
+        )
+
+    async def __aenter__(self) -> MovementStore:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        self.writer.close()
+        self._conn.close()
+        with self._read_lock:
+            self._read.close()
+
+    async def append(self, fixes: Iterable[tuple[str, float, float, float]], *, reserved: bool = False) -> None:
+        """Durably record ``(user_id, t, lat, lon)`` fixes."""
+        await self.writer.write(list(fixes), reserved=reserved)
+
+    def fixes_between(self, t0: float, t1: float) -> list[tuple[str, float, float, float]]:
+        """Fixes with ``t0 ≤ t < t1``, ordered by user then time."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT user_id, t, lat, lon FROM fixes WHERE t >= ? AND t < ? ORDER BY user_id, t", (t0, t1)
+            ).fetchall()
+
+    def latest_per_user(self, since: float) -> list[tuple[str, float, float, float]]:
+        """The latest fix of every user with a fix at or after ``since`` (restores the index)."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT user_id, MAX(t), lat, lon FROM fixes WHERE t >= ? GROUP BY user_id", (since,)
+            ).fetchall()
+
+    def delete_older_than(self, t: float, *, keep_from: float | None = None) -> int:
+        """Retention: drop fixes older than ``t`` but never at or after ``keep_from``."""
+        cutoff = t if keep_from is None else min(t, keep_from)
+        with self._read_lock:
+            cur = self._read.execute("DELETE FROM fixes WHERE t < ?", (cutoff,))
+            self._read.commit()
+            return cur.rowcount
+
+
+class QueryLog:
+    """``querylog.sqlite3``: one row per forwarded query; no user id, query id or pseudonym."""
+
+    INSERT = "INSERT INTO forwarded VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+    def __init__(self, path: Path, *, capacity: int = 100_000, on_commit: Any = None) -> None:
+        self._conn = open_db(path, QUERYLOG_SQL)
+        self.writer = GroupCommitWriter(
+            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="querylog"
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+        self._conn.close()
+
+    async def record(self, row: tuple[Any, ...]) -> None:
+        await self.writer.write([row])

@@ -1,0 +1,110 @@
+"""Durable stores: schema and pragmas of the contract, group commit, lock, crash safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError
+from cloaking.profile import PrivacyProfile
+
+
+def test_data_dir_is_private_and_locked(tmp_path: Path) -> None:
+    d = tmp_path / "data"
+    with DataDir(d):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+        with pytest.raises(StoreError, match="locked"), DataDir(d):
+            pass
+    with DataDir(d):  # released on exit
+        pass
+
+
+def test_profile_store_round_trip_and_schema(tmp_path: Path) -> None:
+    path = tmp_path / "profiles.sqlite3"
+    store = ProfileStore(path)
+    p = PrivacyProfile(k=10, l=2, min_area_m2=5.0, max_area_m2=2e6, max_delay_s=10.0)
+    store.put("alice", p, 123.5)
+    store.put("bob", PrivacyProfile(), 1.0)
+    store.delete("bob")
+    store.close()
+    again = ProfileStore(path)
+    got = again.get("alice")
+    assert got is not None and got.profile == p and got.updated_t == 123.5
+    assert again.get("bob") is None
+    assert [u for u, _ in again.all()] == ["alice"]
+    again.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(profiles)")]
+    assert cols == ["user_id", "k", "l", "min_area_m2", "max_area_m2", "max_delay_s", "updated_t"]
+
+
+async def test_group_commit_writes_everything_once(tmp_path: Path) -> None:
+    store = MovementStore(tmp_path / "movement.sqlite3", capacity=100_000)
+    await asyncio.gather(*(store.append([(f"u{i}", float(t), 39.9, 116.4) for t in range(50)]) for i in range(40)))
+    await store.append([("u0", 0.0, 1.0, 1.0)])  # duplicate (user, t) is ignored, not an error
+    rows = store.fixes_between(0, 1000)
+    assert len(rows) == 40 * 50
+    assert store.writer.depth == 0
+    latest = dict((u, t) for u, t, _, _ in store.latest_per_user(0))
+    assert latest["u7"] == 49.0
+    store.close()
+
+
+def test_reservation_is_bounded(tmp_path: Path) -> None:
+    store = MovementStore(tmp_path / "m.sqlite3", capacity=10)
+    assert store.writer.try_reserve(8)
+    assert not store.writer.try_reserve(3)
+    store.close()
+
+
+async def test_querylog_schema(tmp_path: Path) -> None:
+    log = QueryLog(tmp_path / "querylog.sqlite3")
+    row = (1.0, "knn", None, 5, "cafe", 116.0, 39.0, 116.1, 39.1, None, None, 1e6, 12, "hilbert", "ok")
+    await log.record(row)
+    log.close()
+    conn = sqlite3.connect(tmp_path / "querylog.sqlite3")
+    assert conn.execute("SELECT * FROM forwarded").fetchall() == [row]
+    with pytest.raises(sqlite3.IntegrityError):
+        conn.execute("INSERT INTO forwarded VALUES (1,'knn',NULL,5,NULL,0,0,1,1,NULL,NULL,1,5,'nn','lost')")
+
+
+def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
+    """A child acknowledges each committed batch on stdout; after SIGKILL every acked fix is on disk."""
+    db = tmp_path / "movement.sqlite3"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from pathlib import Path
+        from broker.stores import MovementStore
+        async def main():
+            store = MovementStore(Path({str(db)!r}))
+            for b in range(10_000):
+                await store.append([(f"u{{b}}", float(b), 1.0, 2.0)])
+                print(b, flush=True)
+        asyncio.run(main())
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    acked = -1
+    for line in proc.stdout:
+        acked = int(line)
+        if acked >= 200:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    conn = sqlite3.connect(db)
+    users = {r[0] for r in conn.execute("SELECT user_id FROM fixes")}
+    assert {f"u{b}" for b in range(acked + 1)} <= users
