@@ -1,0 +1,86 @@
+"""Prometheus metrics of the broker (contract §10), on a registry of its own.
+
+Label values come only from fixed sets (transports, topics, reason codes, algorithms, queue
+names): never a user id, query id, coordinate or anything a client chose.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+HOLD_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+AREA_BUCKETS = (1e3, 1e4, 5e4, 1e5, 2.5e5, 5e5, 1e6, 2e6, 4e6, 1e7, 1e8, 1e9, 2.5e9)
+RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+CANDIDATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+QUEUES = ("ingest", "cloak", "hold", "upstream", "store")
+
+
+class Metrics:
+    """Every metric of contract §10."""
+
+    def __init__(self, *, version: str, algorithm: str) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge("kcloak_build_info", "Build information", ["version", "algorithm"], registry=r)
+        self.build_info.labels(version=version, algorithm=algorithm).set(1)
+        self.messages = Counter("kcloak_messages", "Messages received", ["transport", "topic"], registry=r)
+        self.messages_dropped = Counter(
+            "kcloak_messages_dropped", "Messages dropped", ["transport", "topic", "reason"], registry=r
+        )
+        self.updates_accepted = Counter(
+            "kcloak_updates_accepted", "Fixes accepted", ["transport", "source"], registry=r
+        )
+        self.updates_rejected = Counter(
+            "kcloak_updates_rejected", "Fixes rejected", ["transport", "reason"], registry=r
+        )
+        self.queries = Counter(
+            "kcloak_queries", "Queries answered", ["transport", "kind", "status", "reason"], registry=r
+        )
+        self.profile_sets = Counter(
+            "kcloak_profile_sets", "Profile messages handled", ["transport", "status", "reason"], registry=r
+        )
+        self.sessions_active = Gauge("kcloak_sessions_active", "Active continuous sessions", registry=r)
+        self.sessions_closed = Counter("kcloak_sessions_closed", "Sessions closed", ["state"], registry=r)
+        self.users_present = Gauge("kcloak_users_present", "Users with a present fix", registry=r)
+        self.users_indexed = Gauge("kcloak_users_indexed", "Users in the position index", registry=r)
+        self.queue_depth = Gauge("kcloak_queue_depth", "Items waiting in a bounded queue", ["queue"], registry=r)
+        self.queue_capacity = Gauge("kcloak_queue_capacity", "Capacity of a bounded queue", ["queue"], registry=r)
+        self.cloak_seconds = Histogram(
+            "kcloak_cloak_seconds", "Time to cloak one query", ["algorithm"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.hold_seconds = Histogram(
+            "kcloak_hold_seconds", "Time a query was held", ["algorithm"], buckets=HOLD_BUCKETS, registry=r
+        )
+        self.added_latency = Histogram(
+            "kcloak_added_latency_seconds",
+            "Receipt to answer minus upstream and hold time",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "kcloak_upstream_seconds", "Upstream attempts", ["outcome"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.upstream_retries = Counter("kcloak_upstream_retries", "Upstream retries", registry=r)
+        self.upstream_candidates = Histogram(
+            "kcloak_upstream_candidates", "Candidate-set size", ["kind"], buckets=CANDIDATE_BUCKETS, registry=r
+        )
+        self.region_area = Histogram(
+            "kcloak_region_area_m2", "Area of forwarded regions", ["algorithm"], buckets=AREA_BUCKETS, registry=r
+        )
+        self.k_ratio = Histogram(
+            "kcloak_k_ratio", "k_achieved / k of forwarded regions", ["algorithm"], buckets=RATIO_BUCKETS, registry=r
+        )
+        self.store_commit = Histogram(
+            "kcloak_store_commit_seconds", "Store transaction time", ["store"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.published_windows = Counter("kcloak_published_windows", "Publication windows", ["outcome"], registry=r)
+        self.published_trajectories = Counter("kcloak_published_trajectories", "Trajectories published", registry=r)
+        self.trashed_trajectories = Counter("kcloak_trashed_trajectories", "Trajectories trashed", registry=r)
+        self.mqtt_connected = Gauge("kcloak_mqtt_connected", "1 while the MQTT session is up", registry=r)
+        self.http_requests = Counter("kcloak_http_requests", "HTTP requests", ["route", "method", "status"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

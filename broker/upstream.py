@@ -1,0 +1,240 @@
+"""The client of the upstream LBS provider (contract §5; CONCEPTS §1.1).
+
+Every request is rebuilt from an allow-list — a fresh 128-bit pseudonym, the region, the kind
+and its parameters — and every attempt, retries included, carries a new pseudonym. Headers are
+fixed for all users, cookies are never kept, one connection pool serves everyone. Attempts
+time out after ``timeout_s``; connection errors, timeouts, 5xx and 429 are retried (full-jitter
+exponential backoff) within an overall ``deadline_s``; anything else fails at once. Responses
+are checked strictly before the broker filters them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from broker import __version__
+from broker.metrics import Metrics
+
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+
+
+class UpstreamError(RuntimeError):
+    """The provider failed after the retries (answer reason ``upstream_error``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    poi_id: str
+    lat: float
+    lon: float
+    category: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SearchRequest:
+    """What may be sent upstream, and nothing more (contract §5)."""
+
+    kind: str
+    bbox: list[float]
+    radius_m: float | None = None
+    n: int | None = None
+    category: str | None = None
+    t_start: int | None = None
+    t_end: int | None = None
+
+    def body(self, pseudonym: str) -> dict[str, Any]:
+        region: dict[str, Any] = {"bbox": self.bbox}
+        if self.t_start is not None and self.t_end is not None:
+            region["t_start"] = self.t_start
+            region["t_end"] = self.t_end
+        out: dict[str, Any] = {"pseudonym": pseudonym, "kind": self.kind, "region": region}
+        if self.kind == "range":
+            out["radius_m"] = self.radius_m
+        else:
+            out["n"] = self.n
+        if self.category is not None:
+            out["category"] = self.category
+        return out
+
+
+def new_pseudonym() -> str:
+    """32 lowercase hex characters, 128 random bits (contract §1)."""
+    return secrets.token_hex(16)
+
+
+class _Retryable(Exception):
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class _Final(Exception):
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class UpstreamClient:
+    """Async context manager owning the shared connection pool.
+
+    Keyword arguments: ``url`` (base URL; ``/v1/search`` is appended), ``timeout_s`` (2.0),
+    ``retries`` (2), ``deadline_s`` (5.0), ``concurrency`` (64), ``token`` (operator-wide bearer
+    token or None), ``metrics`` (or None).
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        timeout_s: float = 2.0,
+        retries: int = 2,
+        deadline_s: float = 5.0,
+        concurrency: int = 64,
+        token: str | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.url = url.rstrip("/") + "/v1/search"
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.deadline_s = deadline_s
+        self.concurrency = concurrency
+        self._token = token
+        self._metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+        self._sem = asyncio.Semaphore(concurrency)
+        self.waiting = 0
+        self.healthy: bool | None = None
+
+    async def __aenter__(self) -> UpstreamClient:
+        headers = {"User-Agent": f"kcloak/{__version__}", "Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            connector=aiohttp.TCPConnector(limit=self.concurrency, force_close=False),
+            skip_auto_headers=("Accept-Encoding",),
+            auto_decompress=True,
+        )
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def search(self, request: SearchRequest) -> list[Candidate]:
+        """Candidates for ``request``; raises :class:`UpstreamError` after the retry policy."""
+        assert self._session is not None, "UpstreamClient used outside its context"
+        deadline = time.monotonic() + self.deadline_s
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                await self._sem.acquire()
+        except TimeoutError:
+            raise UpstreamError("upstream deadline passed while waiting for a connection") from None
+        finally:
+            self.waiting -= 1
+        try:
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    result = await self._attempt(request, deadline)
+                    self.healthy = True
+                    return result
+                except _Final as exc:
+                    self.healthy = False
+                    raise UpstreamError(exc.outcome) from None
+                except _Retryable as exc:
+                    self.healthy = False
+                    if attempt > self.retries:
+                        raise UpstreamError(exc.outcome) from None
+                    pause = random.uniform(0, 0.1 * 2 ** (attempt - 1))
+                    if time.monotonic() + pause >= deadline:
+                        raise UpstreamError("deadline") from None
+                    if self._metrics is not None:
+                        self._metrics.upstream_retries.inc()
+                    await asyncio.sleep(pause)
+        finally:
+            self._sem.release()
+
+    async def _attempt(self, request: SearchRequest, deadline: float) -> list[Candidate]:
+        assert self._session is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Final("deadline")
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            timeout = aiohttp.ClientTimeout(total=min(self.timeout_s, remaining))
+            body = json.dumps(request.body(new_pseudonym()), separators=(",", ":"))
+            async with self._session.post(self.url, data=body, timeout=timeout, allow_redirects=False) as resp:
+                if resp.status >= 500 or resp.status == 429:
+                    outcome = "http_error"
+                    raise _Retryable(outcome)
+                if resp.status != 200:
+                    outcome = "http_error"
+                    raise _Final(outcome)
+                if resp.content_length is not None and resp.content_length > MAX_RESPONSE_BYTES:
+                    outcome = "invalid_response"
+                    raise _Final(outcome)
+                raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+                if len(raw) > MAX_RESPONSE_BYTES:
+                    outcome = "invalid_response"
+                    raise _Final(outcome)
+            try:
+                return parse_candidates(raw, request.category)
+            except ValueError:
+                outcome = "invalid_response"
+                raise _Final(outcome) from None
+        except TimeoutError:
+            outcome = "timeout"
+            raise _Retryable(outcome) from None
+        except aiohttp.ClientError:
+            outcome = "connection_error"
+            raise _Retryable(outcome) from None
+        finally:
+            if self._metrics is not None:
+                self._metrics.upstream_seconds.labels(outcome=outcome).observe(time.perf_counter() - started)
+
+
+def _reject(name: str) -> Any:
+    raise ValueError(name)
+
+
+def parse_candidates(raw: bytes, category: str | None) -> list[Candidate]:
+    """Strict check of a provider response (contract §5); ValueError when invalid."""
+    doc = json.loads(raw.decode("utf-8"), parse_constant=_reject)
+    if not isinstance(doc, dict) or not isinstance(doc.get("candidates"), list):
+        raise ValueError("candidates")
+    out: list[Candidate] = []
+    for c in doc["candidates"]:
+        if not isinstance(c, dict):
+            raise ValueError("candidate")
+        pid, lat, lon, cat, name = c.get("poi_id"), c.get("lat"), c.get("lon"), c.get("category"), c.get("name", "")
+        if not isinstance(pid, str) or not 1 <= len(pid) <= 64 or not isinstance(cat, str):
+            raise ValueError("candidate")
+        if isinstance(lat, bool) or isinstance(lon, bool) or not isinstance(lat, (int, float)):
+            raise ValueError("candidate")
+        if not isinstance(lon, (int, float)) or not (math.isfinite(lat) and math.isfinite(lon)):
+            raise ValueError("candidate")
+        if not (-90 <= lat <= 90 and -180 <= lon <= 180):
+            raise ValueError("candidate")
+        if category is not None and cat != category:
+            raise ValueError("candidate")
+        out.append(Candidate(pid, float(lat), float(lon), cat, name if isinstance(name, str) else ""))
+    return out
