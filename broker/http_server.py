@@ -1,0 +1,427 @@
+"""The HTTP door (contract §4): small aiohttp handlers that parse, authenticate and call the
+pipeline — the same pipeline the MQTT door calls.
+
+Every 4xx/5xx leaves as the contract's error body (a middleware also rewrites aiohttp's own
+404/405/413); access is counted per route *template*, never per concrete path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from broker import __version__
+from broker.auth import TokenStore
+from broker.config import Config
+from broker.metrics import Metrics
+from broker.pipeline import Duplicate, Pipeline, QueryRejected
+from broker.validation import InvalidInput, MalformedJson, parse_fix, parse_json_object, valid_user_id
+from cloaking.profile import ProfileError, ReasonCode
+
+PIPELINE = web.AppKey("pipeline", Pipeline)
+CONFIG = web.AppKey("config", Config)
+METRICS = web.AppKey("metrics", Metrics)
+TOKENS = web.AppKey("tokens", TokenStore)
+STATE = web.AppKey("state", dict)
+
+_STATUS: dict[ReasonCode, int] = {
+    ReasonCode.INVALID: 400,
+    ReasonCode.UNAUTHORIZED: 401,
+    ReasonCode.FORBIDDEN: 403,
+    ReasonCode.NOT_FOUND: 404,
+    ReasonCode.METHOD_NOT_ALLOWED: 405,
+    ReasonCode.DUPLICATE: 409,
+    ReasonCode.TOO_LARGE: 413,
+    ReasonCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ReasonCode.RATE_LIMITED: 429,
+    ReasonCode.INTERNAL: 500,
+    ReasonCode.OVERLOADED: 503,
+    ReasonCode.SHUTDOWN: 503,
+    ReasonCode.UNKNOWN_SESSION: 404,
+}
+_ERROR_ANSWERS = {
+    ReasonCode.INVALID,
+    ReasonCode.RATE_LIMITED,
+    ReasonCode.INTERNAL,
+    ReasonCode.OVERLOADED,
+    ReasonCode.SHUTDOWN,
+}
+_OPEN_ROUTES = {"/v1/openapi.json", "/v1/info", "/healthz", "/metrics"}
+
+
+class HttpError(Exception):
+    def __init__(
+        self, code: ReasonCode, message: str, *, field: str | None = None, query_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+        self.query_id = query_id
+
+
+def error_response(
+    code: ReasonCode, message: str, *, field: str | None = None, query_id: str | None = None
+) -> web.Response:
+    err: dict[str, Any] = {"code": code.value, "message": message}
+    if field is not None:
+        err["field"] = field
+    if query_id is not None:
+        err["query_id"] = query_id
+    resp = web.json_response({"error": err}, status=_STATUS.get(code, 400))
+    if code is ReasonCode.UNAUTHORIZED:
+        resp.headers["WWW-Authenticate"] = "Bearer"
+    elif code is ReasonCode.RATE_LIMITED or code in (ReasonCode.OVERLOADED, ReasonCode.SHUTDOWN):
+        resp.headers["Retry-After"] = "1"
+    return resp
+
+
+_AIOHTTP_CODES = {
+    404: (ReasonCode.NOT_FOUND, "no such route"),
+    405: (ReasonCode.METHOD_NOT_ALLOWED, "method not allowed on this route"),
+    413: (ReasonCode.TOO_LARGE, "request body too large"),
+}
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    started = time.perf_counter()
+    metrics = request.app[METRICS]
+    route = _route_template(request)
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except HttpError as exc:
+        resp = error_response(exc.code, str(exc), field=exc.field, query_id=exc.query_id)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        code, message = _AIOHTTP_CODES.get(exc.status, (ReasonCode.INVALID, "bad request"))
+        if exc.status >= 500:
+            code, message = ReasonCode.INTERNAL, "internal error"
+        resp = error_response(code, message)
+        status = resp.status
+        return resp
+    finally:
+        metrics.http_requests.labels(route=route, method=request.method, status=str(status)).inc()
+        del started
+
+
+def _route_template(request: web.Request) -> str:
+    info = request.match_info
+    route = getattr(info, "route", None)
+    resource = getattr(route, "resource", None)
+    if resource is None:
+        return "unmatched"
+    canonical = getattr(resource, "canonical", None)
+    return canonical if isinstance(canonical, str) else "unmatched"
+
+
+@web.middleware
+async def auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    tokens = request.app.get(TOKENS)
+    if tokens is None or not request.path.startswith("/v1/") or request.path in _OPEN_ROUTES:
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    user = tokens.user_of(token.strip()) if scheme.lower() == "bearer" else None
+    if user is None:
+        raise HttpError(ReasonCode.UNAUTHORIZED, "a valid bearer token is required")
+    request["auth_user"] = user
+    path_user = request.match_info.get("user")
+    if path_user is not None and path_user != user:
+        raise HttpError(ReasonCode.FORBIDDEN, "the token does not act for this user")
+    if request.path.startswith("/v1/published/"):
+        readers = request.app[CONFIG].auth.published_readers
+        if user not in readers:
+            raise HttpError(ReasonCode.FORBIDDEN, "not a published-data reader")
+    return await handler(request)
+
+
+async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
+    ctype = request.content_type
+    if ctype != "application/json":
+        raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
+    if request.content_length is not None and request.content_length > limit:
+        raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+    try:
+        return parse_json_object(raw)
+    except MalformedJson as exc:
+        raise HttpError(ReasonCode.INVALID, str(exc)) from None
+
+
+def _user(request: web.Request) -> str:
+    user = request.match_info["user"]
+    if not valid_user_id(user):
+        raise HttpError(ReasonCode.INVALID, "user: must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", field="user")
+    return user
+
+
+# -- fixes -------------------------------------------------------------------------------------
+async def post_location(request: web.Request) -> web.Response:
+    user = _user(request)
+    cfg = request.app[CONFIG]
+    body = await _json_body(request, cfg.limits.body_bytes)
+    pipeline = request.app[PIPELINE]
+    pipeline.metrics.messages.labels(transport="http", topic="update").inc()
+    try:
+        fix, _ = parse_fix(body)
+    except InvalidInput as exc:
+        pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
+        raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
+    res = await pipeline.submit_fixes("http", [(user, fix)])
+    code = res.codes[0]
+    if code is None:
+        return web.json_response({"accepted": 1, "rejected": []})
+    if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
+        return web.json_response({"accepted": 0, "rejected": [{"index": 0, "code": code.value}]})
+    messages = {
+        ReasonCode.INVALID: "t: more than max_clock_skew_s in the future",
+        ReasonCode.RATE_LIMITED: "update rate limit reached",
+        ReasonCode.OVERLOADED: "the movement store queue is full",
+        ReasonCode.SHUTDOWN: "the broker is shutting down",
+    }
+    raise HttpError(code, messages.get(code, "refused"), field="t" if code is ReasonCode.INVALID else None)
+
+
+async def post_locations(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    pipeline = request.app[PIPELINE]
+    body = await _json_body(request, cfg.limits.batch_bytes)
+    pipeline.metrics.messages.labels(transport="http", topic="updates").inc()
+    if set(body) != {"updates"} or not isinstance(body["updates"], list):
+        raise HttpError(ReasonCode.INVALID, 'body: must be {"updates": [...]}', field="updates")
+    updates = body["updates"]
+    if len(updates) > cfg.limits.batch_items:
+        raise HttpError(ReasonCode.TOO_LARGE, f"updates: at most {cfg.limits.batch_items} fixes")
+    auth_user = request.get("auth_user")
+    items: list[tuple[str, Any]] = []
+    codes: dict[int, ReasonCode] = {}
+    for i, item in enumerate(updates):
+        who = item.get("user") if isinstance(item, dict) else None
+        if auth_user is not None:
+            if who is not None and who != auth_user:
+                raise HttpError(ReasonCode.FORBIDDEN, "a batch may only carry the token user's fixes")
+            who = auth_user
+        try:
+            fix, _ = parse_fix(item, allow_user=True)
+        except InvalidInput:
+            codes[i] = ReasonCode.INVALID
+            continue
+        if not isinstance(who, str):
+            codes[i] = ReasonCode.INVALID
+            continue
+        items.append((who, fix))
+    for _ in codes:
+        pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
+    res = await pipeline.submit_fixes("http", items)
+    valid_positions = [i for i in range(len(updates)) if i not in codes]
+    for pos, code in zip(valid_positions, res.codes, strict=True):
+        if code is not None:
+            codes[pos] = code
+    if items and all(c is ReasonCode.SHUTDOWN for c in res.codes):
+        raise HttpError(ReasonCode.SHUTDOWN, "the broker is shutting down")
+    rejected = [{"index": i, "code": codes[i].value} for i in sorted(codes)]
+    return web.json_response({"accepted": len(updates) - len(rejected), "rejected": rejected})
+
+
+# -- profiles ----------------------------------------------------------------------------------
+def _profile_body(pipeline: Pipeline, user: str) -> dict[str, Any]:
+    profile, source, updated = pipeline.get_profile(user)
+    return {"profile": profile.to_dict(), "source": source, "updated_t": updated}
+
+
+async def get_profile(request: web.Request) -> web.Response:
+    user = _user(request)
+    return web.json_response(_profile_body(request.app[PIPELINE], user))
+
+
+async def put_profile(request: web.Request) -> web.Response:
+    user = _user(request)
+    pipeline = request.app[PIPELINE]
+    body = await _json_body(request, request.app[CONFIG].limits.body_bytes)
+    if not pipeline.profile_rate_ok(user):
+        pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="rate_limited").inc()
+        raise HttpError(ReasonCode.RATE_LIMITED, "profile rate limit reached")
+    try:
+        await pipeline.set_profile(user, body)
+    except ProfileError as exc:
+        pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="invalid").inc()
+        raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
+    pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
+    return web.json_response(_profile_body(pipeline, user))
+
+
+async def delete_profile(request: web.Request) -> web.Response:
+    user = _user(request)
+    pipeline = request.app[PIPELINE]
+    await pipeline.set_profile(user, None)
+    pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
+    return web.Response(status=204)
+
+
+# -- queries -----------------------------------------------------------------------------------
+async def _run_query(request: web.Request, body: dict[str, Any]) -> web.Response:
+    user = _user(request)
+    pipeline = request.app[PIPELINE]
+    pipeline.metrics.messages.labels(transport="http", topic="query").inc()
+    try:
+        qid = pipeline.admit(user, body)
+    except QueryRejected as exc:
+        raise HttpError(exc.code, str(exc), field=exc.field) from None
+    except Duplicate:
+        raise HttpError(ReasonCode.DUPLICATE, "query_id: already used", query_id=body.get("query_id")) from None
+    stored, _, _ = pipeline.get_profile(user)
+    cfg = request.app[CONFIG]
+    wait_s = stored.max_delay_s + cfg.upstream.deadline_s + 1.0
+    task = asyncio.ensure_future(pipeline.query("http", user, qid, body))
+    try:
+        outcome = await asyncio.wait_for(asyncio.shield(task), timeout=wait_s)
+    except TimeoutError:
+        raise HttpError(ReasonCode.OVERLOADED, "no answer in time", query_id=qid) from None
+    answer = outcome.answer
+    if answer["status"] == "refused":
+        code = ReasonCode(answer["reason"])
+        if code in _ERROR_ANSWERS:
+            raise HttpError(code, answer["message"], query_id=qid)
+    return web.json_response(answer)
+
+
+async def post_query(request: web.Request) -> web.Response:
+    body = await _json_body(request, request.app[CONFIG].limits.body_bytes)
+    return await _run_query(request, body)
+
+
+async def post_session(request: web.Request) -> web.Response:
+    body = await _json_body(request, request.app[CONFIG].limits.body_bytes)
+    for key in ("continuous", "session_id", "stop"):
+        if key in body:
+            raise HttpError(ReasonCode.INVALID, f"{key}: not allowed on this route", field=key)
+    body["continuous"] = True
+    return await _run_query(request, body)
+
+
+async def refresh_session(request: web.Request) -> web.Response:
+    body = await _json_body(request, request.app[CONFIG].limits.body_bytes)
+    allowed = {"query_id", "lat", "lon", "t"}
+    for key in body:
+        if key not in allowed:
+            raise HttpError(ReasonCode.INVALID, "unknown field", field=str(key)[:64])
+    body["session_id"] = request.match_info["session_id"]
+    return await _run_query(request, body)
+
+
+async def session_object(request: web.Request) -> web.Response:
+    _user(request)
+    raise HttpError(ReasonCode.UNKNOWN_SESSION, "unknown session")
+
+
+# -- published data (trajectory publication lands with its own issue) ---------------------------
+async def list_windows(request: web.Request) -> web.Response:
+    for name, lo, hi in (("since", 0, 2**62), ("limit", 1, 1000)):
+        raw = request.query.get(name)
+        if raw is not None and (not raw.isdigit() or not lo <= int(raw) <= hi):
+            raise HttpError(ReasonCode.INVALID, f"{name}: must be an integer within [{lo}, {hi}]", field=name)
+    return web.json_response({"windows": [], "next_since": None})
+
+
+async def get_window(request: web.Request) -> web.Response:
+    raise HttpError(ReasonCode.NOT_FOUND, "unknown window")
+
+
+# -- service routes ----------------------------------------------------------------------------
+async def info(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    mqtt = cfg.mqtt.mode if cfg.mqtt.mode in ("embedded", "none") else "external"
+    lim = cfg.limits
+    return web.json_response(
+        {
+            "version": __version__,
+            "algorithm": cfg.cloaking.algorithm,
+            "auth": "tokens" if request.app.get(TOKENS) is not None else "open",
+            "mqtt": mqtt,
+            "profile_defaults": cfg.profile.to_profile().to_dict(),
+            "limits": {
+                "body_bytes": lim.body_bytes,
+                "batch_bytes": lim.batch_bytes,
+                "batch_items": lim.batch_items,
+                "knn_n_max": 100,
+                "range_radius_m_max": 50000,
+                "range_results_max": 1000,
+            },
+        }
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    pipeline = request.app[PIPELINE]
+    upstream = pipeline.upstream.healthy
+    body = {
+        "status": "ok",
+        "version": __version__,
+        "uptime_s": round(time.monotonic() - state["started"], 3),
+        "mqtt": state.get("mqtt", "none"),
+        "upstream": "unknown" if upstream is None else ("ok" if upstream else "failing"),
+    }
+    if pipeline.closing:
+        body["status"] = "draining"
+        return web.json_response(body, status=503)
+    if state.get("mqtt") == "disconnected" and time.monotonic() - state.get("mqtt_down_since", 0) > 10:
+        body["status"] = "degraded"
+        return web.json_response(body, status=503)
+    return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from broker.openapi import broker_openapi
+
+    return web.json_response(broker_openapi())
+
+
+def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, state: dict[str, Any]) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware],
+        client_max_size=config.limits.batch_bytes + 1024,
+    )
+    app[PIPELINE] = pipeline
+    app[CONFIG] = config
+    app[METRICS] = pipeline.metrics
+    app[STATE] = state
+    if tokens is not None:
+        app[TOKENS] = tokens
+    r = app.router
+    r.add_post("/v1/users/{user}/location", post_location)
+    r.add_post("/v1/locations", post_locations)
+    r.add_get("/v1/users/{user}/profile", get_profile, allow_head=False)
+    r.add_put("/v1/users/{user}/profile", put_profile)
+    r.add_delete("/v1/users/{user}/profile", delete_profile)
+    r.add_post("/v1/users/{user}/query", post_query)
+    r.add_post("/v1/users/{user}/sessions", post_session)
+    r.add_post("/v1/users/{user}/sessions/{session_id}/refresh", refresh_session)
+    r.add_get("/v1/users/{user}/sessions/{session_id}", session_object, allow_head=False)
+    r.add_delete("/v1/users/{user}/sessions/{session_id}", session_object)
+    r.add_get("/v1/published/windows", list_windows, allow_head=False)
+    r.add_get("/v1/published/windows/{window_id}", get_window, allow_head=False)
+    r.add_get("/v1/info", info, allow_head=False)
+    r.add_get("/v1/openapi.json", openapi, allow_head=False)
+    r.add_get("/healthz", healthz, allow_head=False)
+    r.add_get("/metrics", metrics, allow_head=False)
+    return app

@@ -1,0 +1,530 @@
+"""The one pipeline behind both doors (MQTT and HTTP): fixes, profiles and queries.
+
+Fixes: validate (contract §1 order) → write ahead to the movement store → apply to the
+position index. Queries: duplicate → schema → shutdown → rate limits → overload → sessions →
+effective profile → carried position → presence → support → cloak → upstream → exact
+filtering → exactly one answer (contract §2). Cloaking reads immutable index views (CONCEPTS
+§2.4); a cloak worker serves every query waiting at once from one view, taken after each of
+their fixes was applied (micro-batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.config import Config
+from broker.logs import log_event
+from broker.metrics import Metrics
+from broker.ratelimit import DedupWindow, TokenBuckets
+from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile
+from broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
+from broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
+from cloaking.cloakers import Refusal, Region, get_cloaker
+from cloaking.geometry import haversine_m
+from cloaking.index import IndexView, PositionIndex
+from cloaking.places import PlacesLayer
+from cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
+
+log = logging.getLogger("kcloak.pipeline")
+
+MAX_RANGE_RESULTS = 1000
+SNAPSHOT_ALGORITHMS = ("nn", "interval", "casper", "hilbert", "privacygrid")
+
+
+class Duplicate(Exception):
+    """The ``query_id`` was already used by this user within the dedup window."""
+
+
+class QueryRejected(Exception):
+    """A query refused before it entered the pipeline proper (HTTP error statuses)."""
+
+    def __init__(self, code: ReasonCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+@dataclass(slots=True)
+class _CloakJob:
+    user: str
+    profile: PrivacyProfile
+    needed_version: int
+    future: asyncio.Future[tuple[Region | Refusal, IndexView | None]]
+
+
+@dataclass(slots=True)
+class QueryOutcome:
+    """The one answer of a query, and what the transports need to report it."""
+
+    answer: dict[str, Any]
+    kind_label: str
+    status: str
+    reason: str
+
+
+@dataclass(slots=True)
+class FixResult:
+    """Per-item outcome of a batch of fixes: ``None`` = accepted, else a reason code."""
+
+    codes: list[ReasonCode | None] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return sum(1 for c in self.codes if c is None)
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Pipeline:
+    """Business logic of the broker; transports call :meth:`submit_fixes`, :meth:`set_profile`,
+    :meth:`get_profile` and :meth:`query`. Owned and torn down by :class:`broker.service.Broker`."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        metrics: Metrics,
+        profiles: ProfileStore,
+        movement: MovementStore,
+        querylog: QueryLog,
+        upstream: UpstreamClient,
+        places: PlacesLayer | None = None,
+        clock: Callable[[], float] = _now,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.profiles = profiles
+        self.movement = movement
+        self.querylog = querylog
+        self.upstream = upstream
+        self.clock = clock
+        self.algorithm = config.cloaking.algorithm
+        self.default_profile = config.profile.to_profile()
+        self.index = PositionIndex(stale_after_s=config.cloaking.stale_after_s, default_profile=self.default_profile)
+        params: dict[str, Any] = {}
+        if self.algorithm == "privacygrid" and places is not None:
+            params["places"] = places
+        self.cloaker = get_cloaker(self.algorithm, **params) if self.algorithm in SNAPSHOT_ALGORITHMS else None
+        self._stored: dict[str, StoredProfile] = dict(profiles.all())
+        for user, sp in self._stored.items():
+            self.index.set_profile(user, sp.profile)
+        lim = config.limits
+        self._update_buckets = TokenBuckets(lim.update_rate, lim.update_burst)
+        self._query_buckets = TokenBuckets(lim.query_rate, lim.query_burst)
+        self._profile_buckets = TokenBuckets(lim.profile_rate, lim.profile_burst)
+        self._dedup = DedupWindow(lim.dedup_window_s)
+        self._pending_per_user: dict[str, int] = {}
+        self._last_t: dict[str, float] = {}
+        self._user_version: dict[str, int] = {}
+        self._version = 0
+        self._view: IndexView | None = None
+        self._view_version = -1
+        self._view_t = -math.inf
+        self._epoch = 0
+        self._cloak_queue: asyncio.Queue[_CloakJob] = asyncio.Queue(maxsize=config.queues.cloak)
+        self._inflight: set[asyncio.Task[QueryOutcome]] = set()
+        self.closing = False
+        for name in ("ingest", "cloak", "hold", "upstream", "store"):
+            metrics.queue_capacity.labels(queue=name).set(getattr(config.queues, name))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def restore_positions(self) -> int:
+        """Reload the latest fixes of users still present from the movement store (after a restart)."""
+        since = self.clock() - self.config.cloaking.stale_after_s
+        n = 0
+        for user, t, lat, lon in self.movement.latest_per_user(since):
+            self.index.update(user, lat, lon, t)
+            self._last_t[user] = t
+            n += 1
+        self._version += 1
+        return n
+
+    async def run_workers(self) -> None:
+        """The cloak worker; runs until cancelled."""
+        while True:
+            job = await self._cloak_queue.get()
+            jobs = [job]
+            while not self._cloak_queue.empty() and len(jobs) < 4096:
+                jobs.append(self._cloak_queue.get_nowait())
+            self._cloak_jobs(jobs)
+
+    def begin_shutdown(self) -> None:
+        self.closing = True
+
+    async def drain(self, grace_s: float) -> None:
+        """Let in-flight queries finish within ``grace_s``; the rest are answered ``shutdown``."""
+        if self._inflight:
+            _, pending = await asyncio.wait(set(self._inflight), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    # -- fixes ---------------------------------------------------------------------------------
+    async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``."""
+        now = self.clock()
+        cfg = self.config.cloaking
+        result = FixResult([None] * len(items))
+        accepted: list[tuple[int, str, Fix]] = []
+        for i, (user, raw) in enumerate(items):
+            code = self._check_fix(user, raw, now, cfg.max_clock_skew_s, cfg.max_update_age_s)
+            if isinstance(code, ReasonCode):
+                result.codes[i] = code
+                continue
+            accepted.append((i, user, code))
+        if accepted and not self.movement.writer.try_reserve(len(accepted)):
+            for i, _, _ in accepted:
+                result.codes[i] = ReasonCode.OVERLOADED
+            accepted = []
+        if accepted:
+            for _, user, fix in accepted:
+                self._last_t[user] = fix.t
+            try:
+                await self.movement.append(((u, f.t, f.lat, f.lon) for _, u, f in accepted), reserved=True)
+            except Exception:
+                log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(accepted))
+                for i, _, _ in accepted:
+                    result.codes[i] = ReasonCode.OVERLOADED
+                accepted = []
+            self._version += 1
+            for _, user, fix in accepted:
+                self.index.update(user, fix.lat, fix.lon, fix.t)
+                self._user_version[user] = self._version
+        for outcome in result.codes:
+            if outcome is None:
+                self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
+            else:
+                self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
+        self.metrics.users_indexed.set(len(self.index))
+        return result
+
+    def _check_fix(self, user: str, raw: Any, now: float, skew_s: float, max_age_s: float) -> Fix | ReasonCode:
+        if self.closing:
+            return ReasonCode.SHUTDOWN
+        if isinstance(raw, Fix):
+            fix = raw
+        else:
+            try:
+                fix, _ = parse_fix(raw)
+            except InvalidInput:
+                return ReasonCode.INVALID
+        if fix.t > now + skew_s:
+            return ReasonCode.INVALID
+        if fix.t < now - max_age_s:
+            return ReasonCode.TOO_OLD
+        last = self._last_t.get(user)
+        if last is not None and fix.t <= last:
+            return ReasonCode.OUT_OF_ORDER
+        if not self._update_buckets.take(user):
+            return ReasonCode.RATE_LIMITED
+        return fix
+
+    # -- profiles ------------------------------------------------------------------------------
+    def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:
+        sp = self._stored.get(user)
+        if sp is None:
+            return self.default_profile, "default", None
+        return sp.profile, "stored", sp.updated_t
+
+    def profile_rate_ok(self, user: str) -> bool:
+        return self._profile_buckets.take(user)
+
+    async def set_profile(self, user: str, data: dict[str, Any] | None) -> PrivacyProfile:
+        """Replace (or with ``None`` reset) the stored profile; raises :class:`ProfileError`."""
+        if data is None:
+            await asyncio.to_thread(self.profiles.delete, user)
+            self._stored.pop(user, None)
+            self.index.set_profile(user, None)
+            return self.default_profile
+        profile = PrivacyProfile.from_mapping(data, self.default_profile)
+        t = self.clock()
+        await asyncio.to_thread(self.profiles.put, user, profile, t)
+        self._stored[user] = StoredProfile(profile, t)
+        self.index.set_profile(user, profile)
+        return profile
+
+    # -- queries -------------------------------------------------------------------------------
+    def admit(self, user: str, obj: dict[str, Any]) -> str:
+        """The checks a transport needs before it can promise an answer: the ``query_id`` and
+        duplicates. Returns the query id; raises :class:`QueryRejected` or :class:`Duplicate`."""
+        qid = obj.get("query_id")
+        if not isinstance(qid, str) or not qid or len(qid) > 64:
+            raise QueryRejected(ReasonCode.INVALID, "query_id: required, 1-64 chars of [A-Za-z0-9._:-]", "query_id")
+        try:
+            parse_query({"query_id": qid, "kind": "knn", "n": 1})
+        except InvalidInput as exc:
+            raise QueryRejected(ReasonCode.INVALID, str(exc), "query_id") from None
+        if not self._dedup.first_time(user, qid):
+            raise Duplicate(qid)
+        return qid
+
+    async def query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> QueryOutcome:
+        """Run an admitted query to its one answer. Never raises; cancellation of the caller does
+        not stop the query (its answer is then discarded)."""
+        received = time.monotonic()
+        task = asyncio.create_task(self._run_query(transport, user, query_id, obj, received))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        outcome = await asyncio.shield(task)
+        return outcome
+
+    async def _run_query(
+        self, transport: str, user: str, query_id: str, obj: dict[str, Any], received: float
+    ) -> QueryOutcome:
+        timing = {"upstream": 0.0, "hold": 0.0}
+        kind_label = "unknown"
+        try:
+            try:
+                q = parse_query(obj)
+                kind_label = q.metric_kind
+            except InvalidInput as exc:
+                kind = obj.get("kind")
+                kind_label = kind if kind in ("range", "knn") else "unknown"
+                return self._refused(transport, kind_label, query_id, ReasonCode.INVALID, str(exc), received, timing)
+            answer = await self._process(transport, user, q, timing)
+        except asyncio.CancelledError:
+            answer = self._refusal_body(query_id, ReasonCode.SHUTDOWN, "the broker is shutting down")
+        except Exception:
+            log.exception("query_failed", extra={"kcloak_fields": {"error": "internal"}})
+            answer = self._refusal_body(query_id, ReasonCode.INTERNAL, "internal error")
+        return self._finish(transport, kind_label, answer, received, timing)
+
+    def _refused(
+        self,
+        transport: str,
+        kind_label: str,
+        query_id: str,
+        code: ReasonCode,
+        message: str,
+        received: float,
+        timing: dict[str, float],
+    ) -> QueryOutcome:
+        return self._finish(transport, kind_label, self._refusal_body(query_id, code, message), received, timing)
+
+    def _refusal_body(self, query_id: str, code: ReasonCode, message: str) -> dict[str, Any]:
+        return {"query_id": query_id, "status": "refused", "reason": code.value, "message": message, "t": self.clock()}
+
+    def _finish(
+        self, transport: str, kind_label: str, answer: dict[str, Any], received: float, timing: dict[str, float]
+    ) -> QueryOutcome:
+        status = answer["status"]
+        reason = answer.get("reason", "none")
+        self.metrics.queries.labels(transport=transport, kind=kind_label, status=status, reason=reason).inc()
+        added = time.monotonic() - received - timing["upstream"] - timing["hold"]
+        self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
+        return QueryOutcome(answer, kind_label, status, reason)
+
+    async def _process(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
+        qid = q.query_id
+        if self.closing:
+            return self._refusal_body(qid, ReasonCode.SHUTDOWN, "the broker is shutting down")
+        if not self._query_buckets.take(user):
+            return self._refusal_body(qid, ReasonCode.RATE_LIMITED, "query rate limit reached")
+        pending = self._pending_per_user.get(user, 0)
+        if pending >= self.config.limits.pending_queries_per_user:
+            return self._refusal_body(qid, ReasonCode.RATE_LIMITED, "too many pending queries")
+        if self._cloak_queue.full():
+            return self._refusal_body(qid, ReasonCode.OVERLOADED, "the cloaking queue is full")
+        self._pending_per_user[user] = pending + 1
+        try:
+            return await self._process_admitted(transport, user, q, timing)
+        finally:
+            left = self._pending_per_user.get(user, 1) - 1
+            if left <= 0:
+                self._pending_per_user.pop(user, None)
+            else:
+                self._pending_per_user[user] = left
+
+    async def _process_admitted(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
+        qid = q.query_id
+        if q.session_id is not None:
+            return self._refusal_body(qid, ReasonCode.UNKNOWN_SESSION, "unknown session")
+        stored, _, _ = self.get_profile(user)
+        try:
+            effective = stored.tightened(q.profile)
+        except ProfileError as exc:
+            return self._refusal_body(qid, exc.code, str(exc))
+        if q.fix is not None:
+            res = await self.submit_fixes(transport, [(user, q.fix)], source="query")
+            if res.codes[0] in (ReasonCode.INVALID, ReasonCode.SHUTDOWN):
+                code = res.codes[0]
+                assert code is not None
+                return self._refusal_body(qid, code, "t: outside the accepted clock skew")
+        now = self.clock()
+        if not self.index.is_present(user, now):
+            return self._refusal_body(qid, ReasonCode.STALE_POSITION, "no present position for this user")
+        if q.continuous:
+            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "continuous queries are not enabled")
+        if effective.l > 1 and (self.cloaker is None or not self.cloaker.supports_l):
+            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
+        if self.cloaker is None:
+            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "this algorithm is not available in the broker")
+        fut: asyncio.Future[tuple[Region | Refusal, IndexView | None]] = asyncio.get_running_loop().create_future()
+        job = _CloakJob(user, effective, self._user_version.get(user, self._version), fut)
+        try:
+            self._cloak_queue.put_nowait(job)
+        except asyncio.QueueFull:
+            return self._refusal_body(qid, ReasonCode.OVERLOADED, "the cloaking queue is full")
+        self.metrics.queue_depth.labels(queue="cloak").set(self._cloak_queue.qsize())
+        result, _ = await fut
+        if isinstance(result, Refusal):
+            return self._refusal_body(qid, result.reason, result.message)
+        fix = self.index.fix(user)
+        assert fix is not None
+        return await self._forward(q, effective, result, fix[0], fix[1], timing)
+
+    def _fresh_view(self, needed_version: int) -> IndexView:
+        now = self.clock()
+        if self._view is None or self._view_version < needed_version or now - self._view_t > 1.0:
+            self._epoch += 1
+            self._view = self.index.snapshot(now, epoch=self._epoch, seed=self._epoch)
+            self._view_version = self._version
+            self._view_t = now
+            self.metrics.users_present.set(len(self._view))
+        return self._view
+
+    def _cloak_jobs(self, jobs: list[_CloakJob]) -> None:
+        view = self._fresh_view(max(j.needed_version for j in jobs))
+        assert self.cloaker is not None
+        for job in jobs:
+            if job.future.done():
+                continue
+            started = time.perf_counter()
+            row = view.row(job.user)
+            result: Region | Refusal
+            if row is None:
+                result = Refusal(ReasonCode.STALE_POSITION, "no present position for this user")
+            else:
+                try:
+                    result = self.cloaker.cloak(view, row, job.profile)
+                except Exception:
+                    log.exception("cloak_failed", extra={"kcloak_fields": {"algorithm": self.algorithm}})
+                    result = Refusal(ReasonCode.INTERNAL, "internal error")
+            self.metrics.cloak_seconds.labels(algorithm=self.algorithm).observe(time.perf_counter() - started)
+            job.future.set_result((result, view))
+        self.metrics.queue_depth.labels(queue="cloak").set(self._cloak_queue.qsize())
+
+    async def _forward(
+        self,
+        q: Query,
+        profile: PrivacyProfile,
+        region: Region,
+        lat: float,
+        lon: float,
+        timing: dict[str, float],
+    ) -> dict[str, Any]:
+        assert q.kind is not None
+        bbox = region.bbox.to_geojson()
+        request = SearchRequest(
+            kind=q.kind,
+            bbox=bbox,
+            radius_m=q.radius_m,
+            n=q.n,
+            category=q.category,
+            t_start=region.t_start,
+            t_end=region.t_end,
+        )
+        if self.upstream.waiting >= self.config.queues.upstream:
+            return self._refusal_body(q.query_id, ReasonCode.OVERLOADED, "the upstream queue is full")
+        started = time.monotonic()
+        outcome = "ok"
+        try:
+            candidates = await self.upstream.search(request)
+        except UpstreamError:
+            outcome = "upstream_error"
+            candidates = []
+        finally:
+            timing["upstream"] += time.monotonic() - started
+            self.metrics.queue_depth.labels(queue="upstream").set(self.upstream.waiting)
+        forwarded_t = self.clock()
+        with contextlib.suppress(Exception):
+            await self.querylog.record(
+                (
+                    forwarded_t,
+                    q.kind,
+                    q.radius_m,
+                    q.n,
+                    q.category,
+                    *bbox,
+                    region.t_start,
+                    region.t_end,
+                    region.area_m2,
+                    region.k_achieved,
+                    self.algorithm,
+                    outcome,
+                )
+            )
+        if outcome != "ok":
+            return self._refusal_body(q.query_id, ReasonCode.UPSTREAM_ERROR, "the provider failed after retries")
+        self.metrics.upstream_candidates.labels(kind=q.kind).observe(len(candidates))
+        self.metrics.region_area.labels(algorithm=self.algorithm).observe(region.area_m2)
+        self.metrics.k_ratio.labels(algorithm=self.algorithm).observe(region.k_achieved / profile.k)
+        answer: dict[str, Any] = {
+            "query_id": q.query_id,
+            "status": "ok",
+            "algorithm": self.algorithm,
+            "k_achieved": region.k_achieved,
+            "area_m2": region.area_m2,
+            "region": _region_json(region),
+        }
+        if profile.l > 1 and region.l_achieved is not None:
+            answer["l_achieved"] = region.l_achieved
+        if q.kind == "range":
+            assert q.radius_m is not None
+            results, truncated = filter_range(candidates, lat, lon, q.radius_m)
+            answer["results"] = results
+            answer["truncated"] = truncated
+        else:
+            assert q.n is not None
+            answer["results"] = filter_knn(candidates, lat, lon, q.n)
+        answer["t"] = self.clock()
+        return answer
+
+
+def _region_json(region: Region) -> dict[str, Any]:
+    out: dict[str, Any] = {"bbox": region.bbox.to_geojson()}
+    if region.t_start is not None and region.t_end is not None:
+        out["t_start"] = region.t_start
+        out["t_end"] = region.t_end
+    return out
+
+
+def _result(c: Candidate, d: float) -> dict[str, Any]:
+    return {
+        "poi_id": c.poi_id,
+        "lat": c.lat,
+        "lon": c.lon,
+        "category": c.category,
+        "name": c.name,
+        "distance_m": round(d, 3),
+    }
+
+
+def filter_range(
+    candidates: list[Candidate], lat: float, lon: float, radius_m: float
+) -> tuple[list[dict[str, Any]], bool]:
+    """Every candidate within ``radius_m`` of the exact position, nearest first (ties by id),
+    at most 1,000 (then ``truncated``)."""
+    hits = [(haversine_m(lat, lon, c.lat, c.lon), c) for c in candidates]
+    inside = sorted(((round(d, 3), c.poi_id, d, c) for d, c in hits if d <= radius_m), key=lambda x: (x[0], x[1]))
+    truncated = len(inside) > MAX_RANGE_RESULTS
+    return [_result(c, d) for _, _, d, c in inside[:MAX_RANGE_RESULTS]], truncated
+
+
+def filter_knn(candidates: list[Candidate], lat: float, lon: float, n: int) -> list[dict[str, Any]]:
+    """The ``n`` candidates nearest to the exact position (ties by ``poi_id``)."""
+    ranked = sorted(
+        ((round(d, 3), c.poi_id, d, c) for d, c in ((haversine_m(lat, lon, c.lat, c.lon), c) for c in candidates)),
+        key=lambda x: (x[0], x[1]),
+    )
+    return [_result(c, d) for _, _, d, c in ranked[:n]]

@@ -1,0 +1,61 @@
+"""Per-user token buckets and the query-id dedup window (contract §9 ``[limits]``)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class TokenBuckets:
+    """One token bucket per key: ``rate`` tokens/s up to ``burst``. Idle buckets are forgotten."""
+
+    def __init__(self, rate: float, burst: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self._clock = clock
+        self._state: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str, n: int = 1) -> bool:
+        now = self._clock()
+        tokens, last = self._state.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        if tokens < n:
+            self._state[key] = (tokens, now)
+            return False
+        self._state[key] = (tokens - n, now)
+        if len(self._state) > 200_000:
+            self._prune(now)
+        return True
+
+    def retry_after_s(self, key: str) -> int:
+        tokens, _ = self._state.get(key, (self.burst, 0.0))
+        return max(1, int((1 - tokens) / self.rate + 0.999)) if self.rate > 0 else 60
+
+    def _prune(self, now: float) -> None:
+        full_after = self.burst / self.rate if self.rate > 0 else float("inf")
+        for key in [k for k, (_, last) in self._state.items() if now - last > full_after]:
+            del self._state[key]
+
+
+class DedupWindow:
+    """Remembers ``(user, query_id)`` for ``window_s``; a repeat inside the window is a duplicate."""
+
+    def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def first_time(self, user: str, query_id: str) -> bool:
+        """True (and remembered) the first time; False for a duplicate."""
+        now = self._clock()
+        while self._seen:
+            key, t = next(iter(self._seen.items()))
+            if now - t <= self.window_s:
+                break
+            self._seen.popitem(last=False)
+        key = (user, query_id)
+        if key in self._seen:
+            return False
+        self._seen[key] = now
+        return True

@@ -1,0 +1,149 @@
+"""``kcloak serve`` (contract §9): flags over TOML over the shipped defaults, then run the broker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from broker.auth import TokensFileError, TokenStore
+from broker.config import Config, ConfigError, is_loopback, parse_listen
+from broker.logs import log_event, setup_logging
+
+log = logging.getLogger("kcloak.serve")
+
+# flag dest -> TOML key
+_FLAG_KEYS = {
+    "http": "http.listen",
+    "mqtt_listen": "mqtt.listen",
+    "mqtt_password_file": "mqtt.password_file",
+    "mqtt_ingest_connections": "mqtt.ingest_connections",
+    "upstream": "upstream.url",
+    "upstream_timeout_s": "upstream.timeout_s",
+    "upstream_retries": "upstream.retries",
+    "upstream_token_file": "upstream.token_file",
+    "algorithm": "cloaking.algorithm",
+    "places": "cloaking.places",
+    "stale_after_s": "cloaking.stale_after_s",
+    "max_update_age_s": "cloaking.max_update_age_s",
+    "data_dir": "storage.data_dir",
+    "tokens": "auth.tokens",
+    "publish_window_s": "publish.window_s",
+    "publish_k": "publish.k",
+    "publish_delta_m": "publish.delta_m",
+    "publish_method": "publish.method",
+    "log_level": "log.level",
+    "log_format": "log.format",
+}
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve",
+        help="run the anonymizer broker (HTTP and MQTT in, cloaked queries out)",
+        description=(
+            "Run the trusted anonymizer. Apps send location updates and queries over HTTP "
+            "(default 127.0.0.1:8470) and MQTT; each query is cloaked to a region with at least k "
+            "users and forwarded, under a fresh pseudonym, to the upstream LBS. Configuration: "
+            "shipped defaults < --config FILE.toml < flags. Serving beyond loopback requires a "
+            "tokens file."
+        ),
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML configuration file (see --print-config)")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+    p.add_argument("--http", metavar="HOST:PORT|none", help="HTTP listen address (127.0.0.1:8470)")
+    p.add_argument(
+        "--mqtt",
+        metavar="embedded|none|mqtt://[USER@]HOST[:PORT]",
+        help="MQTT ingress: embedded broker, none, or an external broker (embedded)",
+    )
+    p.add_argument("--mqtt-listen", metavar="HOST:PORT", help="embedded MQTT listen address (127.0.0.1:1883)")
+    p.add_argument("--mqtt-password-file", metavar="FILE", help="service account password for an external broker")
+    p.add_argument("--mqtt-ingest-connections", type=int, metavar="N", help="MQTT intake connections (1)")
+    p.add_argument("--upstream", metavar="URL", help="upstream LBS base URL (http://127.0.0.1:8471)")
+    p.add_argument("--upstream-timeout-s", type=float, metavar="S", help="per-attempt timeout (2.0)")
+    p.add_argument("--upstream-retries", type=int, metavar="N", help="retries after the first attempt (2)")
+    p.add_argument("--upstream-token-file", metavar="FILE", help="operator-wide bearer token for the upstream")
+    p.add_argument(
+        "--algorithm",
+        metavar="NAME",
+        help="nn, interval, casper, hilbert (default, reciprocal), clique, privacygrid or temporal",
+    )
+    p.add_argument("--places", metavar="FILE", help="places layer for l > 1 (bundled Beijing POIs)")
+    p.add_argument("--stale-after-s", type=float, metavar="S", help="presence window of a fix (60)")
+    p.add_argument("--max-update-age-s", type=float, metavar="S", help="oldest accepted fix (120)")
+    p.add_argument("--data-dir", metavar="DIR", help="data directory (./kcloak-data)")
+    p.add_argument("--tokens", metavar="FILE", help="tokens file (default <data-dir>/tokens if it exists)")
+    p.add_argument("--publish-window-s", type=int, metavar="S", help="trajectory publication window (900)")
+    p.add_argument("--publish-k", type=int, metavar="K", help="k of published trajectories (5)")
+    p.add_argument("--publish-delta-m", type=float, metavar="M", help="delta of published trajectories (500)")
+    p.add_argument("--publish-method", metavar="NAME", help="nwa, w4m or microagg (nwa)")
+    p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (info)")
+    p.add_argument("--log-format", metavar="json|text", help="log line format (json)")
+    p.set_defaults(func=run)
+
+
+def effective_config(args: argparse.Namespace) -> Config:
+    cfg = Config.from_toml_file(args.config) if args.config else Config()
+    values: dict[str, Any] = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()}
+    if args.mqtt is not None:
+        values["mqtt.mode"] = args.mqtt
+        if args.mqtt.startswith("mqtt://") and "@" in args.mqtt[7:]:
+            values["mqtt.username"] = args.mqtt[7:].split("@", 1)[0]
+    return cfg.with_values(values)
+
+
+def resolve_tokens(cfg: Config) -> TokenStore | None:
+    path = cfg.auth.tokens
+    if not path:
+        default = Path(cfg.storage.data_dir) / "tokens"
+        if not default.exists():
+            return None
+        path = str(default)
+    return TokenStore.from_file(path)
+
+
+def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
+    """Refuse to listen beyond loopback in open mode (contract §9)."""
+    if tokens is not None:
+        return
+    if cfg.http.listen != "none" and not is_loopback(parse_listen(cfg.http.listen)[0]):
+        raise ConfigError("http.listen: serving beyond loopback needs a tokens file (--tokens)")
+    if cfg.mqtt.mode == "embedded" and not is_loopback(parse_listen(cfg.mqtt.listen)[0]):
+        raise ConfigError("mqtt.listen: serving beyond loopback needs a tokens file (--tokens)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = effective_config(args)
+        if args.print_config:
+            sys.stdout.write(cfg.to_toml())
+            return 0
+        tokens = resolve_tokens(cfg)
+        check_exposure(cfg, tokens)
+    except (ConfigError, TokensFileError) as exc:
+        print(f"kcloak serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log.level, cfg.log.format)
+    return asyncio.run(_serve(cfg, tokens))
+
+
+async def _serve(cfg: Config, tokens: TokenStore | None) -> int:
+    from broker.service import Broker, StartupError
+
+    try:
+        broker = Broker(config=cfg, tokens=tokens)
+        async with broker:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(broker.shutdown()))
+            await broker.wait_stopped()
+    except StartupError as exc:
+        log_event(log, "startup_failed", logging.ERROR, reason=str(exc))
+        print(f"kcloak serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

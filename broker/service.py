@@ -1,0 +1,170 @@
+"""The ``Broker``: one async context manager that owns every component and one TaskGroup.
+
+Entering opens, in order, the data directory (locked), the stores, the upstream client, the
+pipeline and its workers, the HTTP server and the MQTT session; leaving tears them down in
+reverse order. :meth:`Broker.shutdown` is the graceful stop of contract §9: stop intake, let
+in-flight upstream calls finish within ``server.shutdown_grace_s``, answer everything else
+``shutdown``, flush the stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from broker import __version__
+from broker.auth import TokenStore
+from broker.config import Config, parse_listen
+from broker.logs import log_event
+from broker.metrics import Metrics
+from broker.pipeline import Pipeline
+from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog
+from broker.upstream import UpstreamClient
+from cloaking.places import PlacesLayer, load_pois
+
+log = logging.getLogger("kcloak.broker")
+
+
+class StartupError(RuntimeError):
+    """The broker could not start (port in use, data directory locked, MQTT unreachable)."""
+
+
+class Broker:
+    """The trusted anonymizer service.
+
+    Keyword arguments: ``config`` (the effective :class:`Config`), ``tokens`` (a
+    :class:`TokenStore`, or None for open mode).
+    """
+
+    def __init__(self, *, config: Config, tokens: TokenStore | None = None) -> None:
+        self.config = config
+        self.tokens = tokens
+        self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
+        self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
+        self._stack = contextlib.AsyncExitStack()
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.pipeline: Pipeline | None = None
+        self.http_port: int | None = None
+        self.mqtt_port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
+
+    async def __aenter__(self) -> Broker:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        cfg = self.config
+        data = DataDir(cfg.storage.data_dir)
+        try:
+            self._stack.enter_context(data)
+        except Exception as exc:
+            raise StartupError(str(exc)) from None
+        profiles = ProfileStore(data.file("profiles.sqlite3"))
+        self._stack.callback(profiles.close)
+        store_hist = self.metrics.store_commit
+        movement = MovementStore(
+            data.file("movement.sqlite3"),
+            capacity=cfg.queues.store,
+            on_commit=store_hist.labels(store="movement").observe,
+        )
+        self._stack.push_async_callback(asyncio.to_thread, movement.close)
+        querylog = QueryLog(data.file("querylog.sqlite3"), on_commit=store_hist.labels(store="querylog").observe)
+        self._stack.push_async_callback(asyncio.to_thread, querylog.close)
+        token = None
+        if cfg.upstream.token_file:
+            token = Path(cfg.upstream.token_file).read_text(encoding="utf-8").strip()
+        upstream = await self._stack.enter_async_context(
+            UpstreamClient(
+                url=cfg.upstream.url,
+                timeout_s=cfg.upstream.timeout_s,
+                retries=cfg.upstream.retries,
+                deadline_s=cfg.upstream.deadline_s,
+                concurrency=cfg.upstream.concurrency,
+                token=token,
+                metrics=self.metrics,
+            )
+        )
+        places = None
+        if cfg.cloaking.algorithm == "privacygrid":
+            places = PlacesLayer.from_pois(load_pois(cfg.cloaking.places or None))
+        self.pipeline = Pipeline(
+            config=cfg,
+            metrics=self.metrics,
+            profiles=profiles,
+            movement=movement,
+            querylog=querylog,
+            upstream=upstream,
+            places=places,
+        )
+        restored = self.pipeline.restore_positions()
+        self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._tasks.append(self._tg.create_task(self.pipeline.run_workers(), name="cloak-worker"))
+        self._stack.push_async_callback(self._cancel_tasks)
+        if cfg.http.listen != "none":
+            await self._start_http()
+        log_event(
+            log,
+            "broker_started",
+            algorithm=cfg.cloaking.algorithm,
+            auth="tokens" if self.tokens else "open",
+            http=cfg.http.listen,
+            mqtt=cfg.mqtt.mode if cfg.mqtt.mode in ("embedded", "none") else "external",
+            restored_positions=restored,
+        )
+
+    async def _start_http(self) -> None:
+        from broker.http_server import build_app
+
+        assert self.pipeline is not None
+        host, port = parse_listen(self.config.http.listen)
+        app = build_app(self.pipeline, self.config, self.tokens, self.state)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise StartupError(f"HTTP: cannot listen on {host}:{port} ({exc.strerror})") from None
+        self._runner = runner
+        self._stack.push_async_callback(runner.cleanup)
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.http_port = sockets[0].getsockname()[1] if sockets else port
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def shutdown(self) -> None:
+        """Graceful stop: no new intake, finish or refuse what is pending, then exit."""
+        if self.pipeline is None or self.pipeline.closing:
+            return
+        log_event(log, "shutdown_started")
+        self.pipeline.begin_shutdown()
+        await self.pipeline.drain(self.config.server.shutdown_grace_s)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.pipeline is not None and not self.pipeline.closing:
+            await self.shutdown()
+        await self._stack.aclose()
+        log_event(log, "broker_stopped")
