@@ -97,14 +97,14 @@ def effective_config(args: argparse.Namespace) -> Config:
     return cfg.with_values(values)
 
 
-def resolve_tokens(cfg: Config) -> TokenStore | None:
+def resolve_tokens(cfg: Config) -> tuple[TokenStore | None, str | None]:
     path = cfg.auth.tokens
     if not path:
         default = Path(cfg.storage.data_dir) / "tokens"
         if not default.exists():
-            return None
+            return None, None
         path = str(default)
-    return TokenStore.from_file(path)
+    return TokenStore.from_file(path), path
 
 
 def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
@@ -123,20 +123,20 @@ def run(args: argparse.Namespace) -> int:
         if args.print_config:
             sys.stdout.write(cfg.to_toml())
             return 0
-        tokens = resolve_tokens(cfg)
+        tokens, tokens_path = resolve_tokens(cfg)
         check_exposure(cfg, tokens)
     except (ConfigError, TokensFileError) as exc:
         print(f"kcloak serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.format)
-    return asyncio.run(_serve(cfg, tokens))
+    return asyncio.run(_serve(cfg, tokens, tokens_path))
 
 
-async def _serve(cfg: Config, tokens: TokenStore | None) -> int:
+async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None) -> int:
     from broker.service import Broker, StartupError
 
     try:
-        broker = Broker(config=cfg, tokens=tokens)
+        broker = Broker(config=cfg, tokens=tokens, tokens_path=tokens_path)
         async with broker:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -40,12 +40,15 @@ class Broker:
     """The trusted anonymizer service.
 
     Keyword arguments: ``config`` (the effective :class:`Config`), ``tokens`` (a
-    :class:`TokenStore`, or None for open mode).
+    :class:`TokenStore`, or None for open mode) and ``tokens_path`` (its file, which the
+    embedded MQTT broker reads to authenticate users).
     """
 
-    def __init__(self, *, config: Config, tokens: TokenStore | None = None) -> None:
+    def __init__(self, *, config: Config, tokens: TokenStore | None = None, tokens_path: str | None = None) -> None:
         self.config = config
         self.tokens = tokens
+        self.tokens_path = tokens_path
+        self.mqtt: Any = None
         self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
         self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
         self._stack = contextlib.AsyncExitStack()
@@ -112,6 +115,8 @@ class Broker:
         restored = self.pipeline.restore_positions()
         self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks.append(self._tg.create_task(self.pipeline.run_workers(), name="cloak-worker"))
+        if cfg.mqtt.mode != "none":
+            await self._start_mqtt(data.path)
         self._stack.push_async_callback(self._cancel_tasks)
         if cfg.http.listen != "none":
             await self._start_http()
@@ -145,9 +150,53 @@ class Broker:
         sockets = getattr(server, "sockets", None) or []
         self.http_port = sockets[0].getsockname()[1] if sockets else port
 
+    async def _start_mqtt(self, data_dir: Path) -> None:
+        from broker.mqtt import EmbeddedMqtt, MqttDoor, external_target
+
+        assert self.pipeline is not None and self._tg is not None
+        cfg = self.config
+        if cfg.mqtt.mode == "embedded":
+            host, port = parse_listen(cfg.mqtt.listen)
+            embedded = EmbeddedMqtt(
+                listen=f"{host}:{port}",
+                tokens_file=self.tokens_path,
+                data_dir=data_dir,
+                published_readers=list(cfg.auth.published_readers),
+            )
+            try:
+                await self._stack.enter_async_context(embedded)
+            except OSError as exc:
+                raise StartupError(str(exc)) from None
+            username = "_kcloak" if self.tokens_path else None
+            password = embedded.service_secret
+        else:
+            host, port, username = external_target(cfg)
+            password = None
+            if cfg.mqtt.password_file:
+                password = Path(cfg.mqtt.password_file).read_text(encoding="utf-8").strip()
+        self.mqtt_port = port
+        door = MqttDoor(
+            pipeline=self.pipeline,
+            config=cfg,
+            host=host,
+            port=port,
+            username=username,
+            password=password,
+            tokens_mode=self.tokens is not None,
+            state=self.state,
+        )
+        self.mqtt = door
+        self._tasks.append(self._tg.create_task(door.run(), name="mqtt"))
+        try:
+            await door.wait_connected(10.0)
+        except TimeoutError:
+            raise StartupError(f"MQTT: broker at {host}:{port} unreachable for 10 s") from None
+
     async def _cancel_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
 
     async def shutdown(self) -> None:
         """Graceful stop: no new intake, finish or refuse what is pending, then exit."""

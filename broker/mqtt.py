@@ -1,0 +1,349 @@
+"""The MQTT door (contract §3) over aiomqtt, and the embedded broker's child process.
+
+Intake connections subscribe to the four ingest filters (QoS 1; ``$share/kcloak/…`` when there
+are several); one more connection publishes answers and status messages. Each message is
+parsed and handed to the same :class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is
+dropped and counted, never fatal, never visible to other users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiomqtt
+
+from broker import __version__
+from broker.config import Config, parse_listen
+from broker.logs import log_event
+from broker.pipeline import Duplicate, Pipeline, QueryRejected
+from broker.validation import MalformedJson, parse_json_object, valid_user_id
+from cloaking.profile import ProfileError
+
+log = logging.getLogger("kcloak.mqtt")
+
+TOPICS = ("update", "updates", "profile", "query")
+ROOT = "kcloak/v1/"
+STATUS_TOPIC = ROOT + "broker/status"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedMqtt:
+    """The amqtt broker in a child process on a loopback address (async context manager)."""
+
+    def __init__(self, *, listen: str, tokens_file: str | None, data_dir: Path, published_readers: list[str]) -> None:
+        self.listen = listen
+        self.tokens_file = tokens_file
+        self.data_dir = data_dir
+        self.readers = published_readers
+        self.service_secret: str | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> EmbeddedMqtt:
+        cmd = [sys.executable, "-m", "broker.embedded_mqtt", "--listen", self.listen]
+        if self.tokens_file:
+            self.service_secret = secrets.token_urlsafe(32)
+            secret_path = self.data_dir / "embedded-mqtt.secret"
+            fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.service_secret)
+            cmd += ["--tokens", self.tokens_file, "--service-secret", str(secret_path)]
+            if self.readers:
+                cmd += ["--published-readers", *self.readers]
+        self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+        assert self._proc.stdout is not None
+        try:
+            async with asyncio.timeout(15):
+                line = await self._proc.stdout.readline()
+        except TimeoutError:
+            line = b""
+        if line.strip() != b"ready":
+            await self._stop()
+            raise OSError(f"embedded MQTT broker could not listen on {self.listen}")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._stop()
+
+    async def _stop(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            async with asyncio.timeout(5):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+class MqttDoor:
+    """Intake and publishing over MQTT; runs until cancelled, reconnecting with backoff."""
+
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        config: Config,
+        host: str,
+        port: int,
+        username: str | None,
+        password: str | None,
+        tokens_mode: bool,
+        state: dict[str, Any],
+    ) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.host = host
+        self.port = port
+        self.username = username
+        self.password = password
+        self.tokens_mode = tokens_mode
+        self.state = state
+        self.metrics = pipeline.metrics
+        self._publisher: aiomqtt.Client | None = None
+        self._publish_ready = asyncio.Event()
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
+        if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
+            log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
+
+    def _client(self, suffix: str, *, will: bool = False) -> aiomqtt.Client:
+        will_msg = None
+        if will:
+            will_msg = aiomqtt.Will(STATUS_TOPIC, json.dumps({"state": "down", "t": None}).encode(), qos=1, retain=True)
+        return aiomqtt.Client(
+            self.host,
+            self.port,
+            username=self.username,
+            password=self.password,
+            identifier=f"kcloak-{suffix}-{secrets.token_hex(4)}",
+            clean_session=True,
+            will=will_msg,
+            keepalive=30,
+            max_queued_outgoing_messages=100_000,
+        )
+
+    async def wait_connected(self, timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            await self._publish_ready.wait()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._publisher_loop())
+            for i in range(self.connections):
+                tg.create_task(self._intake_loop(i))
+
+    async def _publisher_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with self._client("pub", will=True) as client:
+                    self._publisher = client
+                    await client.publish(STATUS_TOPIC, self._status("up"), qos=1, retain=True)
+                    self._publish_ready.set()
+                    self.state["mqtt"] = "connected"
+                    self.metrics.mqtt_connected.set(1)
+                    backoff = 0.2
+                    await asyncio.Event().wait()
+            except aiomqtt.MqttError:
+                self._publish_ready.clear()
+                self._publisher = None
+                self.state["mqtt"] = "disconnected"
+                self.state.setdefault("mqtt_down_since", time.monotonic())
+                self.metrics.mqtt_connected.set(0)
+                log_event(log, "mqtt_disconnected", logging.WARNING, connection="publish")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except asyncio.CancelledError:
+                if self._publisher is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(
+                            self._publisher.publish(STATUS_TOPIC, self._status("down"), qos=1, retain=True), 2
+                        )
+                raise
+
+    def _status(self, state: str) -> bytes:
+        cfg = self.config
+        return json.dumps(
+            {
+                "state": state,
+                "version": __version__,
+                "algorithm": cfg.cloaking.algorithm,
+                "auth": "tokens" if self.tokens_mode else "open",
+                "t": time.time(),
+            }
+        ).encode()
+
+    async def _intake_loop(self, i: int) -> None:
+        backoff = 0.2
+        share = self.connections > 1
+        while True:
+            try:
+                async with self._client(f"in{i}") as client:
+                    for topic in TOPICS:
+                        flt = f"{ROOT}{topic}/+"
+                        await client.subscribe(f"$share/kcloak/{flt}" if share else flt, qos=1)
+                    backoff = 0.2
+                    async for message in client.messages:
+                        self._dispatch(message)
+            except aiomqtt.MqttError:
+                log_event(log, "mqtt_disconnected", logging.WARNING, connection="intake")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def publish(self, topic: str, payload: dict[str, Any]) -> None:
+        try:
+            await self.wait_connected(5.0)
+        except TimeoutError:
+            log_event(log, "mqtt_publish_dropped", logging.WARNING, reason="disconnected")
+            return
+        assert self._publisher is not None
+        try:
+            await self._publisher.publish(topic, json.dumps(payload, separators=(",", ":")).encode(), qos=1)
+        except aiomqtt.MqttError:
+            log_event(log, "mqtt_publish_failed", logging.WARNING)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _drop(self, topic: str, reason: str) -> None:
+        self.metrics.messages_dropped.labels(transport="mqtt", topic=topic, reason=reason).inc()
+
+    def _dispatch(self, message: aiomqtt.Message) -> None:
+        parts = message.topic.value.split("/")
+        if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in TOPICS:
+            return
+        kind, user = parts[2], parts[3]
+        self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
+        if message.retain:
+            self._drop(kind, "retained")
+            return
+        if not valid_user_id(user):
+            self._drop(kind, "invalid")
+            return
+        payload = message.payload
+        if not isinstance(payload, (bytes, bytearray)):
+            self._drop(kind, "malformed_json")
+            return
+        limit = self.config.limits.batch_bytes if kind == "updates" else self.config.limits.body_bytes
+        if len(payload) > limit:
+            self._drop(kind, "too_large")
+            return
+        if self._inflight >= self.config.queues.ingest:
+            self._drop(kind, "overloaded")
+            return
+        try:
+            obj = parse_json_object(bytes(payload))
+        except MalformedJson:
+            self._drop(kind, "malformed_json")
+            return
+        handler = {
+            "update": self._on_update,
+            "updates": self._on_updates,
+            "profile": self._on_profile,
+            "query": self._on_query,
+        }[kind]
+        self._inflight += 1
+        task = asyncio.create_task(handler(user, obj))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._inflight -= 1
+        if not task.cancelled() and task.exception() is not None:
+            log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(task.exception()).__name__)
+
+    async def _on_update(self, user: str, obj: dict[str, Any]) -> None:
+        await self.pipeline.submit_fixes("mqtt", [(user, obj)])
+
+    async def _on_updates(self, user: str, obj: dict[str, Any]) -> None:
+        updates = obj.get("updates")
+        if set(obj) != {"updates"} or not isinstance(updates, list):
+            self._drop("updates", "invalid")
+            return
+        if len(updates) > self.config.limits.batch_items:
+            self._drop("updates", "too_large")
+            return
+        items: list[tuple[str, Any]] = []
+        for item in updates:
+            who = item.get("user", user) if isinstance(item, dict) else user
+            if not isinstance(who, str):
+                who = user
+            if self.tokens_mode and who != user:
+                self._drop("updates", "forbidden")
+                return
+            if isinstance(item, dict) and "user" in item:
+                item = {k: v for k, v in item.items() if k != "user"}
+            items.append((who, item))
+        await self.pipeline.submit_fixes("mqtt", items)
+
+    async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
+        request_id = obj.get("request_id")
+        status: dict[str, Any] = {"kind": "profile"}
+        if isinstance(request_id, str):
+            status["request_id"] = request_id
+        unknown = set(obj) - {"request_id", "profile"}
+        reason: str | None = None
+        if unknown or "profile" not in obj:
+            reason = "invalid"
+        elif not self.pipeline.profile_rate_ok(user):
+            reason = "rate_limited"
+        else:
+            try:
+                profile = await self.pipeline.set_profile(user, obj["profile"])
+                status.update(status="ok", profile=profile.to_dict())
+            except ProfileError:
+                reason = "invalid"
+        if reason is not None:
+            status.update(status="refused", reason=reason)
+        self.metrics.profile_sets.labels(transport="mqtt", status=status["status"], reason=reason or "none").inc()
+        status["t"] = time.time()
+        await self.publish(f"{ROOT}status/{user}", status)
+
+    async def _on_query(self, user: str, obj: dict[str, Any]) -> None:
+        try:
+            qid = self.pipeline.admit(user, obj)
+        except QueryRejected:
+            self._drop("query", "invalid")
+            return
+        except Duplicate:
+            self._drop("query", "duplicate")
+            return
+        outcome = await self.pipeline.query("mqtt", user, qid, obj)
+        await self.publish(f"{ROOT}answer/{user}", outcome.answer)
+
+
+def embedded_listen(config: Config) -> tuple[str, int]:
+    return parse_listen(config.mqtt.listen)
+
+
+def external_target(config: Config) -> tuple[str, int, str | None]:
+    """Host, port and username of an ``mqtt://[USER@]HOST[:PORT]`` mode."""
+    rest = config.mqtt.mode[len("mqtt://") :]
+    user = config.mqtt.username or None
+    if "@" in rest:
+        user, rest = rest.split("@", 1)
+    host, _, port = rest.partition(":")
+    if host.startswith("[") and "]" in rest:
+        host, _, port = rest[1:].partition("]")
+        port = port.lstrip(":")
+    return host, int(port) if port else 1883, user
