@@ -27,6 +27,7 @@ CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", TokenStore)
 STATE = web.AppKey("state", dict)
+AUTH_USER = web.RequestKey("auth_user", str)
 
 _STATUS: dict[ReasonCode, int] = {
     ReasonCode.INVALID: 400,
@@ -136,7 +137,7 @@ async def auth_middleware(
     user = tokens.user_of(token.strip()) if scheme.lower() == "bearer" else None
     if user is None:
         raise HttpError(ReasonCode.UNAUTHORIZED, "a valid bearer token is required")
-    request["auth_user"] = user
+    request[AUTH_USER] = user
     path_user = request.match_info.get("user")
     if path_user is not None and path_user != user:
         raise HttpError(ReasonCode.FORBIDDEN, "the token does not act for this user")
@@ -153,9 +154,17 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
     if request.content_length is not None and request.content_length > limit:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(65536)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return parse_json_object(raw)
     except MalformedJson as exc:
@@ -206,7 +215,7 @@ async def post_locations(request: web.Request) -> web.Response:
     updates = body["updates"]
     if len(updates) > cfg.limits.batch_items:
         raise HttpError(ReasonCode.TOO_LARGE, f"updates: at most {cfg.limits.batch_items} fixes")
-    auth_user = request.get("auth_user")
+    auth_user = request.get(AUTH_USER)
     items: list[tuple[str, Any]] = []
     codes: dict[int, ReasonCode] = {}
     for i, item in enumerate(updates):

@@ -176,19 +176,21 @@ class Pipeline:
         cfg = self.config.cloaking
         result = FixResult([None] * len(items))
         accepted: list[tuple[int, str, Fix]] = []
+        previous: dict[str, float | None] = {}
         for i, (user, raw) in enumerate(items):
             code = self._check_fix(user, raw, now, cfg.max_clock_skew_s, cfg.max_update_age_s)
             if isinstance(code, ReasonCode):
                 result.codes[i] = code
                 continue
             accepted.append((i, user, code))
+            previous.setdefault(user, self._last_t.get(user))
+            self._last_t[user] = code.t
         if accepted and not self.movement.writer.try_reserve(len(accepted)):
             for i, _, _ in accepted:
                 result.codes[i] = ReasonCode.OVERLOADED
             accepted = []
+            self._restore_last_t(previous)
         if accepted:
-            for _, user, fix in accepted:
-                self._last_t[user] = fix.t
             try:
                 await self.movement.append(((u, f.t, f.lat, f.lon) for _, u, f in accepted), reserved=True)
             except Exception:
@@ -196,6 +198,7 @@ class Pipeline:
                 for i, _, _ in accepted:
                     result.codes[i] = ReasonCode.OVERLOADED
                 accepted = []
+                self._restore_last_t(previous)
             self._version += 1
             for _, user, fix in accepted:
                 self.index.update(user, fix.lat, fix.lon, fix.t)
@@ -207,6 +210,13 @@ class Pipeline:
                 self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
         self.metrics.users_indexed.set(len(self.index))
         return result
+
+    def _restore_last_t(self, previous: dict[str, float | None]) -> None:
+        for user, t in previous.items():
+            if t is None:
+                self._last_t.pop(user, None)
+            else:
+                self._last_t[user] = t
 
     def _check_fix(self, user: str, raw: Any, now: float, skew_s: float, max_age_s: float) -> Fix | ReasonCode:
         if self.closing:

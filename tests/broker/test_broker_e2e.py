@@ -1,0 +1,166 @@
+"""End-to-end privacy of the broker: what reaches the provider, and what the app gets back.
+
+A spy upstream records every forwarded request. The test knows every true position, so it
+checks from the outside (exact decimal arithmetic, no broker code) that each forwarded region
+holds at least k present users including the querier, that no user id, exact coordinate pair
+or reused pseudonym ever reaches the provider, and that each answer equals the answer computed
+on the exact position over the full POI set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+from aiohttp import ClientSession
+
+from broker.service import Broker
+from tests.broker.conftest import SpyUpstream, broker_config
+
+R = 6_371_008.8
+
+
+def haversine(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    a = math.sin((p2 - p1) / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(math.radians(lon2 - lon1) / 2) ** 2
+    return 2 * R * math.asin(math.sqrt(a))
+
+
+def users_strictly_inside(bbox: list[float], positions: dict[str, tuple[float, float]]) -> set[str]:
+    lo_lon, lo_lat, hi_lon, hi_lat = (Decimal(repr(v)) for v in bbox)
+    return {
+        u for u, (lat, lon) in positions.items() if lo_lon < Decimal(lon) < hi_lon and lo_lat < Decimal(lat) < hi_lat
+    }
+
+
+def exact_answer(query: dict[str, Any], lat: float, lon: float, pois: list[dict[str, Any]]) -> list[str]:
+    cat = query.get("category")
+    scored = sorted(
+        (round(haversine(lat, lon, p["lat"], p["lon"]), 3), p["poi_id"])
+        for p in pois
+        if cat is None or p["category"] == cat
+    )
+    if query["kind"] == "range":
+        return [pid for d, pid in scored if d <= query["radius_m"]][:1000]
+    return [pid for _, pid in scored[: query["n"]]]
+
+
+def population(n: int, seed: int) -> dict[str, tuple[float, float]]:
+    rnd = random.Random(seed)
+    return {
+        f"user-{i:04d}": (round(39.9 + rnd.gauss(0, 0.01), 7), round(116.4 + rnd.gauss(0, 0.012), 7)) for i in range(n)
+    }
+
+
+def random_query(rnd: random.Random, i: int) -> dict[str, Any]:
+    q: dict[str, Any] = {"query_id": f"q-{i}"}
+    if rnd.random() < 0.5:
+        q.update(kind="range", radius_m=rnd.choice([300, 800, 2000]))
+    else:
+        q.update(kind="knn", n=rnd.choice([1, 3, 5]))
+    if rnd.random() < 0.6:
+        q["category"] = rnd.choice(["cafe", "restaurant", "bank"])
+    if rnd.random() < 0.3:
+        q["profile"] = {"k": rnd.choice([5, 8])}
+    return q
+
+
+def check_forwarded(
+    spy: SpyUpstream,
+    sent: list[tuple[str, dict[str, Any], dict[str, Any]]],
+    positions: dict[str, tuple[float, float]],
+) -> None:
+    ok = [(u, q, a) for u, q, a in sent if a["status"] == "ok"]
+    assert len(spy.requests) == len(ok) > 0
+    pseudonyms = [r["pseudonym"] for r in spy.requests]
+    assert len(set(pseudonyms)) == len(pseudonyms)
+    pairs = {(lat, lon) for lat, lon in positions.values()}
+    for req, headers, (user, query, answer) in zip(spy.requests, spy.headers, ok, strict=True):
+        assert re.fullmatch(r"[0-9a-f]{32}", req["pseudonym"])
+        allowed = {"pseudonym", "kind", "region", "radius_m" if query["kind"] == "range" else "n"}
+        if "category" in query:
+            allowed.add("category")
+        assert set(req) == allowed
+        assert set(req["region"]) == {"bbox"}
+        text = json.dumps(req)
+        assert not any(u in text for u in positions)
+        b = req["region"]["bbox"]
+        corners = {(b[1], b[0]), (b[1], b[2]), (b[3], b[0]), (b[3], b[2])}
+        assert not corners & pairs
+        assert "Cookie" not in headers and headers["User-Agent"].startswith("kcloak/")
+        bbox = req["region"]["bbox"]
+        assert answer["region"]["bbox"] == bbox
+        inside = users_strictly_inside(bbox, positions)
+        k = query.get("profile", {}).get("k", 5)
+        assert user in inside
+        assert len(inside) >= k
+        assert answer["k_achieved"] == len(inside)
+        lat, lon = positions[user]
+        assert [r["poi_id"] for r in answer["results"]] == exact_answer(query, lat, lon, spy.pois)
+
+
+@pytest.mark.parametrize("algorithm", ["hilbert", "nn"])
+async def test_http_end_to_end_privacy(tmp_path: Path, spy: SpyUpstream, algorithm: str) -> None:
+    positions = population(400, seed=3)
+    rnd = random.Random(11)
+    cfg = broker_config(tmp_path, spy.url, **{"cloaking.algorithm": algorithm})
+    sent: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    async with Broker(config=cfg) as b, ClientSession() as http:
+        base = f"http://127.0.0.1:{b.http_port}"
+        now = time.time()
+        updates = [{"user": u, "t": now, "lat": lat, "lon": lon} for u, (lat, lon) in positions.items()]
+        r = await http.post(f"{base}/v1/locations", json={"updates": updates})
+        assert (await r.json()) == {"accepted": 400, "rejected": []}
+        for i in range(40):
+            user = rnd.choice(list(positions))
+            query = random_query(rnd, i)
+            r = await http.post(f"{base}/v1/users/{user}/query", json=query)
+            assert r.status == 200
+            sent.append((user, query, await r.json()))
+    check_forwarded(spy, sent, positions)
+
+
+async def test_mqtt_end_to_end_privacy(tmp_path: Path, spy: SpyUpstream, mqtt_port: int) -> None:
+    positions = population(300, seed=5)
+    rnd = random.Random(12)
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    sent: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    async with Broker(config=cfg), aiomqtt.Client("127.0.0.1", mqtt_port) as client:
+        await client.subscribe("kcloak/v1/answer/+", qos=1)
+        now = time.time()
+        for u, (lat, lon) in positions.items():
+            await client.publish(f"kcloak/v1/update/{u}", json.dumps({"t": now, "lat": lat, "lon": lon}), qos=1)
+        await _settle(cfg.storage.data_dir, len(positions))
+        messages = client.messages
+        for i in range(20):
+            user = rnd.choice(list(positions))
+            query = random_query(rnd, i)
+            await client.publish(f"kcloak/v1/query/{user}", json.dumps(query), qos=1)
+            message = await anext(aiter(messages))
+            assert message.topic.value == f"kcloak/v1/answer/{user}"
+            assert isinstance(message.payload, bytes)
+            sent.append((user, query, json.loads(message.payload)))
+    check_forwarded(spy, sent, positions)
+
+
+async def _settle(data_dir: str, n: int) -> None:
+    """Wait until ``n`` fixes are durably stored (QoS 1 publishes are acknowledged before that)."""
+    import asyncio
+    import sqlite3
+
+    for _ in range(100):
+        conn = sqlite3.connect(Path(data_dir) / "movement.sqlite3")
+        count = conn.execute("SELECT COUNT(*) FROM fixes").fetchone()[0]
+        conn.close()
+        if count >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("fixes were not stored in time")
