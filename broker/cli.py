@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from broker import __version__
 
 # Modules that contribute subcommands, in the order ``--help`` lists them.
-_COMMAND_MODULES: tuple[str, ...] = ("broker.serve_cli", "cloaking.bench_cli",)
+_COMMAND_MODULES: tuple[str, ...] = (
+    "broker.serve_cli",
+    "broker.mosquitto",
+    "cloaking.bench_cli",
+)
 
 
 class UsageError(Exception):

@@ -1,0 +1,140 @@
+"""Against a real mosquitto: the generated configuration enforces the ACL, and the broker serves
+through it (shared subscriptions included)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from broker.auth import TokenStore
+from broker.cli import main as cli_main
+from broker.mosquitto import mosquitto_hash
+from broker.mqtt import free_port
+from broker.service import Broker
+from tests.broker.conftest import SpyUpstream, broker_config
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+def test_hash_format() -> None:
+    h = mosquitto_hash("secret", salt=b"0123456789ab")
+    parts = h.split("$")
+    assert parts[1] == "7" and parts[2] == "101" and len(parts) == 5
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
+    if not Path(MOSQUITTO).exists():
+        pytest.fail("mosquitto is not installed (.ci/run installs it with apt-get)")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:tokA\nbob:tokB\nreader:tokR\ncarol:sha256:" + "0" * 64 + "\n")
+    port = free_port()
+    out = tmp_path / "mq"
+    code = cli_main(
+        [
+            "mosquitto-config",
+            "--tokens",
+            str(tokens),
+            "-o",
+            str(out),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--published-readers",
+            "reader",
+        ]
+    )
+    assert code == 0
+    if os.getuid() == 0:  # mosquitto drops root to its own user, which cannot read our private files
+        with (out / "mosquitto.conf").open("a") as fh:
+            fh.write("user root\n")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(out / "mosquitto.conf")], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 5
+    import socket
+
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    yield port, out, tokens
+    proc.terminate()
+    proc.wait(5)
+
+
+async def test_generated_acl_is_enforced(mosquitto: tuple[int, Path, Path]) -> None:
+    port, out, _ = mosquitto
+    with pytest.raises(aiomqtt.MqttError):
+        async with aiomqtt.Client("127.0.0.1", port, username="alice", password="wrong"):
+            pass
+    with pytest.raises(aiomqtt.MqttError):
+        async with aiomqtt.Client("127.0.0.1", port):
+            pass
+    secret = (out / "service.secret").read_text().strip()
+    async with (
+        aiomqtt.Client("127.0.0.1", port, username="_kcloak", password=secret) as service,
+        aiomqtt.Client("127.0.0.1", port, username="alice", password="tokA") as alice,
+        aiomqtt.Client("127.0.0.1", port, username="bob", password="tokB") as bob,
+    ):
+        await service.subscribe("kcloak/v1/#", qos=1)
+        await bob.subscribe("kcloak/v1/answer/alice", qos=1)  # not allowed: never delivered
+        await alice.publish("kcloak/v1/update/bob", b"{}", qos=1)  # not allowed: dropped
+        await alice.publish("kcloak/v1/update/alice", b"{}", qos=1)
+        await service.publish("kcloak/v1/answer/alice", b"secret answer", qos=1)
+        got = []
+        async with asyncio.timeout(2):
+            async for m in service.messages:
+                got.append(m.topic.value)
+                if m.topic.value == "kcloak/v1/answer/alice":
+                    break
+        assert "kcloak/v1/update/alice" in got and "kcloak/v1/update/bob" not in got
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                async for _ in bob.messages:
+                    break
+
+
+async def test_broker_through_mosquitto_with_shared_subscriptions(
+    tmp_path: Path, spy: SpyUpstream, mosquitto: tuple[int, Path, Path]
+) -> None:
+    port, out, tokens_file = mosquitto
+    cfg = broker_config(
+        tmp_path,
+        spy.url,
+        **{
+            "mqtt.mode": f"mqtt://_kcloak@127.0.0.1:{port}",
+            "mqtt.password_file": str(out / "service.secret"),
+            "mqtt.ingest_connections": 2,
+        },
+    )
+    tokens = TokenStore.from_file(tokens_file)
+    async with (
+        Broker(config=cfg, tokens=tokens) as b,
+        aiomqtt.Client("127.0.0.1", port, username="alice", password="tokA") as alice,
+    ):
+        await alice.subscribe("kcloak/v1/answer/alice", qos=1)
+        now = time.time()
+        for i in range(40):
+            await alice.publish(
+                "kcloak/v1/update/alice", json.dumps({"t": now - 40 + i, "lat": 39.9, "lon": 116.4}), qos=1
+            )
+        await alice.publish("kcloak/v1/query/alice", json.dumps({"query_id": "q1", "kind": "knn", "n": 1}), qos=1)
+        async with asyncio.timeout(5):
+            async for m in alice.messages:
+                assert isinstance(m.payload, bytes)
+                answer = json.loads(m.payload)
+                break
+        assert answer["query_id"] == "q1" and answer["reason"] == "k_unreachable"
+        text = b.metrics.render().decode()
+        accepted = [ln for ln in text.splitlines() if ln.startswith("kcloak_updates_accepted_total")]
+        rejected = [ln for ln in text.splitlines() if ln.startswith("kcloak_updates_rejected_total")]
+        total = sum(float(ln.rsplit(" ", 1)[1]) for ln in accepted + rejected)
+        assert total == 40
