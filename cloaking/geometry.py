@@ -142,22 +142,40 @@ class BBox:
     def area_m2(self) -> float:
         return bbox_area_m2(*self.to_geojson())
 
-    def contains_key(self, lon_key: int, lat_key: int) -> bool:
-        """Strict containment of a coordinate given by its keys."""
+    def key_bounds(self) -> tuple[int, int, int, int]:
+        """Inclusive key bounds ``(lon_lo, lat_lo, lon_hi, lat_hi)`` of the users inside.
+
+        Strict on every side (``2·min < key < 2·max``), except at the world edge (±180°, ±90°)
+        where strictness is impossible and the edge itself counts (contract §0).
+        """
         return (
-            2 * self.min_lon_udeg < lon_key < 2 * self.max_lon_udeg
-            and 2 * self.min_lat_udeg < lat_key < 2 * self.max_lat_udeg
+            2 * self.min_lon_udeg + (0 if self.min_lon_udeg == -WORLD_LON_UDEG else 1),
+            2 * self.min_lat_udeg + (0 if self.min_lat_udeg == -WORLD_LAT_UDEG else 1),
+            2 * self.max_lon_udeg - (0 if self.max_lon_udeg == WORLD_LON_UDEG else 1),
+            2 * self.max_lat_udeg - (0 if self.max_lat_udeg == WORLD_LAT_UDEG else 1),
         )
 
+    def contains_key(self, lon_key: int, lat_key: int) -> bool:
+        """Containment of a coordinate given by its keys (strict but at the world edge)."""
+        a, b, c, d = self.key_bounds()
+        return a <= lon_key <= c and b <= lat_key <= d
+
     def contains_keys(self, lon_keys: IntArray, lat_keys: IntArray) -> npt.NDArray[np.bool_]:
-        """Vectorized strict containment."""
-        out: npt.NDArray[np.bool_] = (
-            (lon_keys > 2 * self.min_lon_udeg)
-            & (lon_keys < 2 * self.max_lon_udeg)
-            & (lat_keys > 2 * self.min_lat_udeg)
-            & (lat_keys < 2 * self.max_lat_udeg)
-        )
+        """Vectorized :meth:`contains_key`."""
+        a, b, c, d = self.key_bounds()
+        out: npt.NDArray[np.bool_] = (lon_keys >= a) & (lon_keys <= c) & (lat_keys >= b) & (lat_keys <= d)
         return out
+
+
+def key_bounds_array(boxes: npt.ArrayLike) -> IntArray:
+    """Vectorized :meth:`BBox.key_bounds` for an ``(m, 4)`` array of micro-degree boxes."""
+    b = np.asarray(boxes, dtype=np.int64).reshape(-1, 4)
+    out: IntArray = np.empty_like(b)
+    out[:, 0] = 2 * b[:, 0] + (b[:, 0] != -WORLD_LON_UDEG)
+    out[:, 1] = 2 * b[:, 1] + (b[:, 1] != -WORLD_LAT_UDEG)
+    out[:, 2] = 2 * b[:, 2] - (b[:, 2] != WORLD_LON_UDEG)
+    out[:, 3] = 2 * b[:, 3] - (b[:, 3] != WORLD_LAT_UDEG)
+    return out
 
 
 def bbox_around_keys(min_lon_key: int, min_lat_key: int, max_lon_key: int, max_lat_key: int) -> BBox:

@@ -20,9 +20,18 @@ U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
 
-def grid_coords(keys: I64) -> I64:
-    """Grid coordinate (0 … 2^29 − 1) of coordinates given by their exact keys."""
+def grid_coords(keys: I64, axis: str) -> I64:
+    """Grid coordinate (0 … 2^29 − 1) of coordinates given by their exact keys.
+
+    ``axis`` is ``"lon"`` or ``"lat"``. A coordinate exactly on the upper world edge (+180° or
+    +90°) is placed in the cell just below it, so that every cell holding it is published with
+    that edge, where it counts (contract §0: strictness is waived at the world edge).
+    """
+    top_key = 2 * (180_000_000 if axis == "lon" else 90_000_000)
     out: I64 = (keys >> 1) + GRID_OFFSET
+    on_top = keys == top_key
+    if on_top.any():
+        out = out - on_top
     return out
 
 

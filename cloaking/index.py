@@ -19,7 +19,14 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
-from cloaking.geometry import WORLD_LAT_UDEG, WORLD_LON_UDEG, BBox, coordinate_key, coordinate_keys
+from cloaking.geometry import (
+    WORLD_LAT_UDEG,
+    WORLD_LON_UDEG,
+    BBox,
+    coordinate_key,
+    coordinate_keys,
+    key_bounds_array,
+)
 from cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
 from cloaking.profile import PrivacyProfile
 
@@ -37,7 +44,8 @@ class PositionIndex:
     """Latest accepted fix of every user, as numpy columns plus a user → row map.
 
     Columns: ``lat``, ``lon``, ``t`` (the fix), ``alive`` (row in use), and the stored-profile
-    columns that partition-based cloakers need for everyone (``k``, ``min_area_m2``), plus a
+    columns that partition-based cloakers need for everyone (``k``, ``min_area_m2``,
+    ``max_area_m2``), plus a
     random per-user ``salt`` used to break ties without leaking arrival order or ids.
 
     Keyword arguments:
@@ -64,6 +72,7 @@ class PositionIndex:
         self._alive: npt.NDArray[np.bool_] = np.zeros(0, bool)
         self._k: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self._min_area: F64 = np.zeros(0)
+        self._max_area: F64 = np.zeros(0)
         self._salt: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
         self._alloc(max(capacity, 16))
         self._rng = np.random.default_rng(secrets.randbits(64))
@@ -76,6 +85,7 @@ class PositionIndex:
         alive = np.zeros(capacity, bool)
         k = np.full(capacity, self.default_profile.k, np.int32)
         min_area = np.full(capacity, self.default_profile.min_area_m2)
+        max_area = np.full(capacity, self.default_profile.max_area_m2)
         salt = np.zeros(capacity, np.uint64)
         if n_old:
             lat[:n_old] = self._lat
@@ -84,9 +94,10 @@ class PositionIndex:
             alive[:n_old] = self._alive
             k[:n_old] = self._k
             min_area[:n_old] = self._min_area
+            max_area[:n_old] = self._max_area
             salt[:n_old] = self._salt
         self._lat, self._lon, self._t, self._alive = lat, lon, t, alive
-        self._k, self._min_area, self._salt = k, min_area, salt
+        self._k, self._min_area, self._max_area, self._salt = k, min_area, max_area, salt
 
     def __len__(self) -> int:
         return len(self._row)
@@ -104,6 +115,7 @@ class PositionIndex:
             + self._alive.nbytes
             + self._k.nbytes
             + self._min_area.nbytes
+            + self._max_area.nbytes
             + self._salt.nbytes
         )
 
@@ -121,6 +133,7 @@ class PositionIndex:
         self._salt[row] = self._rng.integers(0, 2**63, dtype=np.uint64)
         self._k[row] = self.default_profile.k
         self._min_area[row] = self.default_profile.min_area_m2
+        self._max_area[row] = self.default_profile.max_area_m2
         return row
 
     def update(self, user: str, lat: float, lon: float, t: float) -> None:
@@ -171,6 +184,7 @@ class PositionIndex:
         p = profile if profile is not None else self.default_profile
         self._k[row] = p.k
         self._min_area[row] = p.min_area_m2
+        self._max_area[row] = p.max_area_m2
 
     def fix(self, user: str) -> tuple[float, float, float] | None:
         """``(lat, lon, t)`` of the user's latest fix, or ``None``."""
@@ -195,6 +209,7 @@ class PositionIndex:
             t=self._t[rows],
             k=self._k[rows].astype(np.int64),
             min_area_m2=self._min_area[rows],
+            max_area_m2=self._max_area[rows],
             salt=self._salt[rows],
             now=now,
             epoch=epoch,
@@ -218,6 +233,7 @@ class IndexView:
         t: F64,
         k: I64 | None = None,
         min_area_m2: F64 | None = None,
+        max_area_m2: F64 | None = None,
         salt: npt.NDArray[np.uint64] | None = None,
         now: float = 0.0,
         epoch: int = 0,
@@ -232,10 +248,13 @@ class IndexView:
         self.min_area_m2 = np.asarray(
             min_area_m2 if min_area_m2 is not None else np.full(n, _DEFAULT.min_area_m2), dtype=np.float64
         )
+        self.max_area_m2 = np.asarray(
+            max_area_m2 if max_area_m2 is not None else np.full(n, _DEFAULT.max_area_m2), dtype=np.float64
+        )
         if salt is None:
             salt = np.array([hash_user(u) for u in user_ids], dtype=np.uint64)
         self.salt = np.asarray(salt, dtype=np.uint64)
-        for a in (self.lat, self.lon, self.t, self.k, self.min_area_m2, self.salt):
+        for a in (self.lat, self.lon, self.t, self.k, self.min_area_m2, self.max_area_m2, self.salt):
             if len(a) != n:
                 raise ValueError("IndexView: every column must have one entry per user")
             a.setflags(write=False)
@@ -255,6 +274,7 @@ class IndexView:
         t: npt.ArrayLike | None = None,
         k: npt.ArrayLike | None = None,
         min_area_m2: npt.ArrayLike | None = None,
+        max_area_m2: npt.ArrayLike | None = None,
         now: float = 0.0,
         epoch: int = 0,
         seed: int = 0,
@@ -269,6 +289,7 @@ class IndexView:
             t=np.asarray(t, dtype=np.float64) if t is not None else np.full(len(ids), now),
             k=np.asarray(k, dtype=np.int64) if k is not None else None,
             min_area_m2=np.asarray(min_area_m2, dtype=np.float64) if min_area_m2 is not None else None,
+            max_area_m2=np.asarray(max_area_m2, dtype=np.float64) if max_area_m2 is not None else None,
             now=now,
             epoch=epoch,
             seed=seed,
@@ -305,11 +326,11 @@ class IndexView:
     @cached_property
     def gx(self) -> I64:
         """Level-29 grid column of each user."""
-        return grid_coords(self.lon_key)
+        return grid_coords(self.lon_key, "lon")
 
     @cached_property
     def gy(self) -> I64:
-        return grid_coords(self.lat_key)
+        return grid_coords(self.lat_key, "lat")
 
     @cached_property
     def morton(self) -> npt.NDArray[np.uint64]:
@@ -382,18 +403,17 @@ class IndexView:
         extra = 0
         klon = 2 * cell_lon0 - 1
         klat = 2 * cell_lat0 - 1
-        lo_lat, hi_lat = 2 * bbox.min_lat_udeg, 2 * bbox.max_lat_udeg
-        lo_lon, hi_lon = 2 * bbox.min_lon_udeg, 2 * bbox.max_lon_udeg
-        if klon > lo_lon:
+        lo_lon, lo_lat, hi_lon, hi_lat = bbox.key_bounds()
+        if klon >= lo_lon:
             rows = self._rows_with_key(0, klon)
             if len(rows):
                 lk = self.lat_key[rows]
-                extra += int(np.count_nonzero((lk > lo_lat) & (lk < hi_lat)))
-        if klat > lo_lat:
+                extra += int(np.count_nonzero((lk >= lo_lat) & (lk <= hi_lat)))
+        if klat >= lo_lat:
             rows = self._rows_with_key(1, klat)
             if len(rows):
                 ok = self.lon_key[rows]
-                extra += int(np.count_nonzero((ok > lo_lon) & (ok < hi_lon) & (ok != klon)))
+                extra += int(np.count_nonzero((ok >= lo_lon) & (ok <= hi_lon) & (ok != klon)))
         return extra
 
     @cached_property
@@ -403,17 +423,15 @@ class IndexView:
         return shapely.STRtree(pts)
 
     def rows_in(self, bbox: BBox) -> I64:
-        """View rows strictly inside a published bbox (exact)."""
-        if len(self) == 0 or bbox.max_lon_udeg <= bbox.min_lon_udeg or bbox.max_lat_udeg <= bbox.min_lat_udeg:
+        """View rows inside a published bbox: strictly, except on the world edge (exact)."""
+        a, b, c, d = bbox.key_bounds()
+        if len(self) == 0 or a > c or b > d:
             return np.empty(0, np.int64)
-        box = shapely.box(
-            2 * bbox.min_lon_udeg + 1, 2 * bbox.min_lat_udeg + 1, 2 * bbox.max_lon_udeg - 1, 2 * bbox.max_lat_udeg - 1
-        )
-        out: I64 = self.strtree.query(box).astype(np.int64)
+        out: I64 = self.strtree.query(shapely.box(a, b, c, d)).astype(np.int64)
         return out
 
     def count_in(self, bbox: BBox) -> int:
-        """Present users strictly inside a published bbox (exact)."""
+        """Present users inside a published bbox (strict but at the world edge; exact)."""
         return len(self.rows_in(bbox))
 
     def count_in_many(self, bboxes: npt.NDArray[np.int64]) -> I64:
@@ -421,9 +439,9 @@ class IndexView:
         m = len(bboxes)
         if m == 0 or len(self) == 0:
             return np.zeros(m, np.int64)
-        b = np.asarray(bboxes, dtype=np.int64)
-        usable = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
-        boxes = shapely.box(2 * b[:, 0] + 1, 2 * b[:, 1] + 1, 2 * b[:, 2] - 1, 2 * b[:, 3] - 1)
+        kb = key_bounds_array(bboxes)
+        usable = (kb[:, 2] >= kb[:, 0]) & (kb[:, 3] >= kb[:, 1])
+        boxes = shapely.box(kb[:, 0], kb[:, 1], kb[:, 2], kb[:, 3])
         boxes[~usable] = None
         pairs = self.strtree.query(boxes)
         out: I64 = np.bincount(pairs[0], minlength=m).astype(np.int64)
