@@ -1,0 +1,731 @@
+"""Hilbert Cloak: reciprocal buckets of users along a Hilbert curve (CONCEPTS §4.4; Kalnis et al., TKDE 2007).
+
+Once per view, the present users are sorted by the Hilbert value of their micro-degree grid cell
+(ties by a salted hash) and cut into consecutive buckets with kcloak's personalized rule: a bucket
+closes when its size reaches the largest *stored* ``k`` among its members, and the leftover is
+merged backwards. The region of a bucket depends on the bucket only, so every member gets the same
+region (reciprocity, §1.5). A request stricter than its stored profile is served by an aligned
+super-bucket, chosen so that reciprocity still holds for everyone sending the same override.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from cloaking.cloakers.base import (
+    STATUS_OF,
+    BatchResult,
+    CloakResult,
+    Refusal,
+    Region,
+    refuse,
+)
+from cloaking.geometry import (
+    EARTH_RADIUS_M,
+    MAX_REGION_AREA_M2,
+    UDEG_PER_DEG,
+    WORLD_LAT_UDEG,
+    WORLD_LON_UDEG,
+    BBox,
+    bbox_around_keys,
+    expand_to_area,
+    key_bounds_array,
+)
+from cloaking.grid import GRID_BITS, GRID_OFFSET
+from cloaking.index import IndexView
+from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
+U64 = npt.NDArray[np.uint64]
+
+_MASK64 = (1 << 64) - 1
+_UNSUPPORTED = refuse(ReasonCode.UNSUPPORTED, "hilbert: l > 1 is not supported (no place diversity)")
+_K_UNREACHABLE = refuse(ReasonCode.K_UNREACHABLE)
+# k users are present, but the population is smaller than its own largest stored k, so no bucket
+# can be formed: the algorithm builds no region (contract §2: area_exceeded, not k_unreachable).
+_NOT_PLACED = refuse(ReasonCode.AREA_EXCEEDED, "no bucket: fewer present users than the largest stored k")
+_AREA_EXCEEDED = refuse(ReasonCode.AREA_EXCEEDED)
+_EDGE_CHECK = refuse(ReasonCode.K_UNREACHABLE, "internal check: region holds fewer than k users")
+_UNCOUNTED = -1  # k_achieved of a bucket whose users are not counted yet
+_UNGROWABLE = -2  # k_achieved of a bucket that cannot be grown to its stored A_min
+_NO_SUPER_BUCKET = refuse(ReasonCode.AREA_EXCEEDED, "no aligned super-bucket holds k users with this override")
+
+
+# -- pure functions (exposed for tests) ------------------------------------------------------
+
+
+def hilbert_index(n: int, x: int, y: int) -> int:
+    """Hilbert index of cell ``(x, y)`` on an ``n × n`` grid, ``n`` a power of two (§4.4, standard form)."""
+    d, s = 0, n // 2
+    while s > 0:
+        rx = 1 if x & s else 0
+        ry = 1 if y & s else 0
+        d += s * s * ((3 * rx) ^ ry)
+        if ry == 0:
+            if rx == 1:
+                x, y = n - 1 - x, n - 1 - y
+            x, y = y, x
+        s //= 2
+    return d
+
+
+def hilbert_indices(x: npt.ArrayLike, y: npt.ArrayLike, order: int = GRID_BITS) -> I64:
+    """Vectorized :func:`hilbert_index` on the ``2^order`` grid (the same iteration over bits, on arrays).
+
+    Coordinates must lie in ``[0, 2^order)``, ``order ≤ 31``; the result fits in an int64. Works
+    on cache-sized chunks (about 4× faster than whole arrays for a million points).
+    """
+    if not 1 <= order <= 31:
+        raise ValueError("order: must be within [1, 31]")
+    xs = np.array(x, dtype=np.int32).reshape(-1)
+    ys = np.array(y, dtype=np.int32).reshape(-1)
+    d = np.zeros(len(xs), np.int64)
+    for lo in range(0, len(xs), _CHUNK):
+        _hilbert_chunk(xs[lo : lo + _CHUNK], ys[lo : lo + _CHUNK], d[lo : lo + _CHUNK], order)
+    return d
+
+
+_CHUNK = 1 << 15
+
+
+def _hilbert_chunk(xs: npt.NDArray[np.int32], ys: npt.NDArray[np.int32], d: I64, order: int) -> None:
+    """The §4.4 iteration over bits, in place on one chunk (``xs``, ``ys`` are scratch)."""
+    m = len(xs)
+    rx = np.empty(m, np.int32)
+    ry = np.empty(m, np.int32)
+    tmp = np.empty(m, np.int32)
+    for s in range(order - 1, -1, -1):
+        np.right_shift(xs, s, out=rx)
+        np.bitwise_and(rx, 1, out=rx)
+        np.right_shift(ys, s, out=ry)
+        np.bitwise_and(ry, 1, out=ry)
+        d <<= 2
+        np.multiply(rx, 3, out=tmp)
+        np.bitwise_xor(tmp, ry, out=tmp)
+        d |= tmp
+        # Rotate where ry == 0: reflect when rx == 1, then swap. Only the bits below s matter from
+        # here on, so reflecting those (x ^ (2^s − 1)) is the same as n − 1 − x.
+        np.bitwise_xor(ry, 1, out=ry)
+        np.bitwise_and(rx, ry, out=tmp)
+        np.negative(tmp, out=tmp)
+        np.bitwise_and(tmp, (1 << s) - 1, out=tmp)
+        xs ^= tmp
+        ys ^= tmp
+        np.bitwise_xor(xs, ys, out=tmp)
+        np.negative(ry, out=ry)
+        tmp &= ry
+        xs ^= tmp
+        ys ^= tmp
+
+
+def tie_keys(salt: npt.ArrayLike, seed: int) -> U64:
+    """Tie-break keys: SplitMix64 of each user's salt mixed with the view's epoch seed (§4.4).
+
+    Never the user id or arrival order, so the order inside a cell leaks neither.
+    """
+    z = np.array(salt, dtype=np.uint64) ^ np.uint64(_splitmix64(seed & _MASK64))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # uint64 products wrap, as intended
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: U64 = z ^ (z >> np.uint64(31))
+    return out
+
+
+def _splitmix64(v: int) -> int:
+    z = (v + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hilbert_sort(hv: I64, tie: U64) -> I64:
+    """Rows ordered by ``(hv, tie)``: one argsort, then a lexsort of the (rare) tied runs only."""
+    order = np.argsort(hv, kind="stable")
+    hs = hv[order]
+    eq = hs[1:] == hs[:-1]
+    if eq.any():
+        tied = np.zeros(len(hv), bool)
+        tied[1:] |= eq
+        tied[:-1] |= eq
+        pos = np.flatnonzero(tied)
+        sub = order[pos]
+        order[pos] = sub[np.lexsort((tie[sub], hv[sub]))]
+    return order
+
+
+def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
+    """Cut users, given by their stored ``k`` in curve order, into buckets with the personalized rule (§4.4).
+
+    A bucket closes as soon as its size reaches the largest ``k`` among its members; the leftover is
+    merged backwards into the previous buckets until valid. Returns the bucket bounds
+    ``[0, e1, …, n]`` (bucket ``i`` is ``[bounds[i], bounds[i+1])``), or ``[0]`` when nobody can be
+    placed (the whole population is smaller than its largest ``k``).
+    """
+    k = np.maximum(np.asarray(k_sorted, dtype=np.int64), 1)
+    n = len(k)
+    if n == 0 or int(k.max()) > n:
+        return np.zeros(1, np.int64)
+    kmax = int(k.max())
+    if int(k.min()) == kmax:  # uniform k: Kalnis et al.'s buckets of k, the last one up to 2k − 1
+        bounds = np.arange(n // kmax + 1, dtype=np.int64) * kmax
+        bounds[-1] = n
+        return bounds
+    nxt = _bucket_ends(k, kmax).tolist()
+    out = [0]
+    i = 0
+    while i < n:
+        e = nxt[i]
+        if e > n:
+            break
+        out.append(e)
+        i = e
+    if i < n:  # leftover [i, n): merge backwards until the merged bucket is valid
+        suffix_max = np.maximum.accumulate(k[::-1])[::-1].tolist()
+        while n - out[-1] < suffix_max[out[-1]]:
+            if len(out) == 1:
+                return np.zeros(1, np.int64)
+            out.pop()
+        out.append(n)
+    return np.asarray(out, dtype=np.int64)
+
+
+def _bucket_ends(k: I64, kmax: int) -> I64:
+    """For every start ``i``: end of the bucket the greedy rule would close from ``i`` (``n + 1``: never).
+
+    The bucket length is the least fixpoint ``L = max(k[i : i + L])``, reached by iterating
+    ``L ← max(k[i : i + L])`` from ``L = k[i]`` (at most one step per distinct k), with a
+    sparse table for the window maxima.
+    """
+    n = len(k)
+    levels = max(1, int(kmax).bit_length())
+    table = [k]
+    for p in range(1, levels):
+        prev = table[-1]
+        half = 1 << (p - 1)
+        cur = prev.copy()
+        cur[: n - half] = np.maximum(prev[: n - half], prev[half:])
+        table.append(cur)
+    sparse = np.stack(table)
+    log2 = np.zeros(kmax + 1, np.int64)
+    log2[1:] = np.floor(np.log2(np.arange(1, kmax + 1))).astype(np.int64)
+    start = np.arange(n, dtype=np.int64)
+    length = k.copy()
+    ends = np.full(n, n + 1, np.int64)
+    active = start + length <= n
+    idx = start[active]
+    length_a = length[active]
+    while len(idx):
+        lv = log2[length_a]
+        new = np.maximum(sparse[lv, idx], sparse[lv, idx + length_a - (1 << lv)])
+        done = new == length_a
+        ends[idx[done]] = idx[done] + length_a[done]
+        keep = ~done & (idx + new <= n)
+        idx, length_a = idx[keep], new[keep]
+    return ends
+
+
+def group_extents(values_sorted: npt.ArrayLike, bounds: npt.ArrayLike) -> tuple[I64, I64]:
+    """Per-bucket minimum and maximum of a column in curve order (MBR sides), vectorized."""
+    v = np.asarray(values_sorted)
+    starts = np.asarray(bounds, dtype=np.int64)[:-1]
+    return np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)
+
+
+def bboxes_around_keys(min_lon_key: I64, min_lat_key: I64, max_lon_key: I64, max_lat_key: I64) -> I64:
+    """Vectorized :func:`cloaking.geometry.bbox_around_keys`: ``(m, 4)`` micro-degree boxes."""
+    return np.stack(
+        [
+            np.maximum((min_lon_key - 1) >> 1, -WORLD_LON_UDEG),
+            np.maximum((min_lat_key - 1) >> 1, -WORLD_LAT_UDEG),
+            np.minimum((max_lon_key >> 1) + 1, WORLD_LON_UDEG),
+            np.minimum((max_lat_key >> 1) + 1, WORLD_LAT_UDEG),
+        ],
+        axis=1,
+    )
+
+
+def bbox_areas_m2(boxes: I64) -> F64:
+    """Contract areas of ``(m, 4)`` micro-degree boxes, bit-identical to :attr:`BBox.area_m2`.
+
+    The sines go through :func:`math.sin` (numpy's may differ by an ulp), so batch and single
+    answers report the very same float.
+    """
+    b = np.asarray(boxes, dtype=np.int64).reshape(-1, 4)
+    lon0 = b[:, 0] / UDEG_PER_DEG
+    lon1 = b[:, 2] / UDEG_PER_DEG
+    s0 = np.fromiter(map(math.sin, np.radians(b[:, 1] / UDEG_PER_DEG).tolist()), np.float64, len(b))
+    s1 = np.fromiter(map(math.sin, np.radians(b[:, 3] / UDEG_PER_DEG).tolist()), np.float64, len(b))
+    out: F64 = EARTH_RADIUS_M * EARTH_RADIUS_M * np.radians(lon1 - lon0) * np.abs(s1 - s0)
+    return out
+
+
+def super_bucket_levels(sizes: npt.ArrayLike, k: int) -> I64:
+    """Aligned super-bucket of every bucket for an override ``k`` (§4.4, made reciprocal) [design].
+
+    Returns, per bucket, the level ``j`` of its super-bucket ``[m·2^j, (m+1)·2^j)`` (``m = b >> j``),
+    ``-1`` for a bucket that already holds ``k`` users (it is served as is), or ``-2`` when no
+    aligned super-bucket can serve it. Only *deficient* buckets (size < k) can be a querier's with
+    this override, so the candidate set of a super-bucket is its deficient members. The binary
+    tree of aligned blocks is split top-down while each child holds either ≥ k deficient members
+    or none; a deficient bucket's super-bucket is the lowest block it reaches. Every deficient
+    member of a block therefore computes the same block, and the block holds ≥ k of them.
+    (§4.4's "smallest j with ≥ k users" is not reciprocal: with buckets of 3 and 30 users and
+    k = 6, the 3 would get the pair while the 30 keep their own bucket, so the pair's candidate
+    set would have 3 users.)
+    """
+    size = np.asarray(sizes, dtype=np.int64)
+    nb = len(size)
+    level = np.full(nb, -1, np.int64)
+    weight = np.where(size < k, size, 0)
+    deficient = weight > 0
+    if not deficient.any():
+        return level
+    depth = max(0, (nb - 1).bit_length())
+    w = [np.zeros(1 << depth, np.int64)]
+    w[0][:nb] = weight
+    for _ in range(depth):
+        w.append(w[-1].reshape(-1, 2).sum(axis=1))
+    if w[depth][0] < k:
+        level[deficient] = -2
+        return level
+    is_open = np.ones(1, bool)  # nodes of the current level whose ancestors were all split
+    lowest = np.full(1 << depth, depth, np.int64)
+    for j in range(depth, 0, -1):
+        child = w[j - 1]
+        fine = (child >= k) | (child == 0)
+        split = is_open & fine[0::2] & fine[1::2]
+        is_open = np.repeat(split, 2)
+        lowest[np.repeat(is_open, 1 << (j - 1))] = j - 1
+    level[deficient] = lowest[:nb][deficient]
+    return level
+
+
+def cover_counts(
+    hv_sorted: I64,
+    lon_key_sorted: I64,
+    lat_key_sorted: I64,
+    boxes: npt.ArrayLike,
+    *,
+    order: int = GRID_BITS,
+    budget: int = 4096,
+) -> I64:
+    """Exact number of users strictly inside each ``(m, 4)`` micro-degree box, from the curve order.
+
+    Users are given in curve order (Hilbert values and exact coordinate keys). An aligned quadtree
+    cell is one contiguous run of Hilbert values, so the users of the ≤ 3 × 3 cells (side ≥ half
+    the box's) covering a box are ≤ 9 slices of the sorted users; they are tested on their exact
+    keys (§2.2). Needs no spatial index. ``-1`` where the cover holds more than ``budget`` users
+    (count those with :meth:`IndexView.count_in_many`).
+    """
+    b = np.asarray(boxes, dtype=np.int64).reshape(-1, 4)
+    kb = key_bounds_array(b)
+    m = len(b)
+    out = np.full(m, -1, np.int64)
+    if m == 0:
+        return out
+    base = GRID_BITS - order
+    gx0 = b[:, 0] + GRID_OFFSET  # grid coordinates (floor micro-degrees) that may hold inside users
+    gy0 = b[:, 1] + GRID_OFFSET
+    gx1 = np.maximum(b[:, 2] - 1 + GRID_OFFSET, gx0)
+    gy1 = np.maximum(b[:, 3] - 1 + GRID_OFFSET, gy0)
+    half = (np.maximum(gx1 - gx0, gy1 - gy0) + 2) // 2
+    exp = np.maximum(np.frexp((half - 1).astype(np.float64))[1].astype(np.int64), base)  # ⌈log2 half⌉
+    cx0, cy0 = gx0 >> exp, gy0 >> exp
+    ncx, ncy = (gx1 >> exp) - cx0 + 1, (gy1 >> exp) - cy0 + 1
+    dx = np.tile(np.arange(3), 3)
+    dy = np.repeat(np.arange(3), 3)
+    valid = (dx[None, :] < ncx[:, None]) & (dy[None, :] < ncy[:, None])
+    box_of, cell = np.nonzero(valid)
+    e = exp[box_of]
+    h = hilbert_indices((cx0[box_of] + dx[cell]) << e >> base, (cy0[box_of] + dy[cell]) << e >> base, order)
+    t2 = 2 * (e - base)
+    lo = (h >> t2) << t2
+    start = np.searchsorted(hv_sorted, lo)
+    length = np.searchsorted(hv_sorted, lo + (np.int64(1) << t2)) - start
+    total = np.bincount(box_of, weights=length, minlength=m).astype(np.int64)
+    small = total <= budget
+    out[small] = 0
+    keep = small[box_of]
+    box_of, start, length = box_of[keep], start[keep], length[keep]
+    # Gather in chunks of about 2^22 users to bound memory.
+    ends = np.cumsum(length)
+    chunk = 1 << 22
+    cut = np.searchsorted(ends, np.arange(1, int(ends[-1]) // chunk + 1) * chunk) if len(ends) else np.zeros(0, int)
+    for part in np.split(np.arange(len(length)), cut):
+        ln = length[part]
+        n_tot = int(ln.sum())
+        if n_tot == 0:
+            continue
+        offs = np.repeat(start[part] - (np.cumsum(ln) - ln), ln) + np.arange(n_tot)
+        owner = box_of[part]
+        who = np.repeat(owner, ln)
+        lk, tk = lon_key_sorted[offs], lat_key_sorted[offs]
+        inside = lk >= np.repeat(kb[owner, 0], ln)
+        inside &= lk <= np.repeat(kb[owner, 2], ln)
+        inside &= tk >= np.repeat(kb[owner, 1], ln)
+        inside &= tk <= np.repeat(kb[owner, 3], ln)
+        out += np.bincount(who[inside], minlength=m)
+    return out
+
+
+# -- per-view state ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Group:
+    """A bucket or super-bucket: its published MBR, the largest stored A_min and its anonymizing set."""
+
+    gid: int
+    mbr: BBox
+    min_area_m2: float
+    anon_set: I64
+    max_area_m2: float = MAX_REGION_AREA_M2
+
+
+class _HilbertState:
+    """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
+
+    def __init__(self, view: IndexView, order: int, algorithm: str) -> None:
+        self.view = view
+        self.algorithm = algorithm
+        n = len(view)
+        self.n = n
+        shift = GRID_BITS - order
+        hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
+        rows = hilbert_sort(hv, tie_keys(view.salt, view.seed)).astype(np.int64)
+        rows.setflags(write=False)
+        self.order = order
+        self.rows = rows
+        self.hv_sorted = hv[rows]
+        self.lon_key_sorted = view.lon_key[rows]
+        self.lat_key_sorted = view.lat_key[rows]
+        bounds = partition_buckets(view.k[rows])
+        self.bounds = bounds
+        nb = len(bounds) - 1
+        self.n_buckets = nb
+        sizes = np.diff(bounds)
+        bucket_of = np.full(n, -1, np.int64)
+        if nb:
+            bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
+        self.bucket_arr = bucket_of
+        self.bucket_of: list[int] = bucket_of.tolist()
+        self.size_arr = sizes
+        self.size: list[int] = sizes.tolist()
+        if nb:
+            amin = np.maximum.reduceat(view.min_area_m2[rows], bounds[:-1])
+            amax = np.minimum.reduceat(view.max_area_m2[rows], bounds[:-1])
+            lon0, lon1 = group_extents(self.lon_key_sorted, bounds)
+            lat0, lat1 = group_extents(self.lat_key_sorted, bounds)
+            mbr = bboxes_around_keys(lon0, lat0, lon1, lat1)
+        else:
+            amin = np.zeros(0)
+            amax = np.zeros(0)
+            mbr = np.zeros((0, 4), np.int64)
+        self.amin_arr = amin
+        self.amin: list[float] = amin.tolist()
+        # A bucket is served only if its region fits every member's stored max_area_m2: a member
+        # refused on its own would shrink the candidate set below k (reciprocity, §1.5).
+        self.amax_arr = amax
+        self.amax: list[float] = amax.tolist()
+        self.mbr = mbr
+        # Final region of each bucket (after growth to its stored A_min): the box and area now for
+        # the buckets that need no growth, lazily for the others (expand_to_area is scalar); exact
+        # counts now from the curve order, lazily where a cover is too crowded.
+        mbr_area = bbox_areas_m2(mbr)
+        self.bbox = mbr.copy()
+        self.area = mbr_area
+        self.sized = mbr_area >= amin
+        self.k_achieved = np.full(nb, _UNCOUNTED, np.int64)
+        plain = np.flatnonzero(self.sized)
+        if len(plain):
+            self.k_achieved[plain] = self.cover_counts(mbr[plain])
+        self.regions: list[CloakResult | None] = [None] * nb
+        self.super_levels: dict[int, list[int]] = {}
+        self.blocks: dict[tuple[int, int, int], _Group] = {}
+        self.block_regions: dict[tuple[int, int, int], CloakResult] = {}
+
+    def cover_counts(self, boxes: I64) -> I64:
+        """:func:`cover_counts` on this view's sorted users; ``-1`` where the cover is crowded."""
+        return cover_counts(self.hv_sorted, self.lon_key_sorted, self.lat_key_sorted, boxes, order=self.order)
+
+    def count(self, boxes: I64) -> I64:
+        """Exact strict counts of users in ``(m, 4)`` boxes (the view's STR-tree for crowded covers)."""
+        out = self.cover_counts(boxes)
+        crowded = out < 0
+        if crowded.any():
+            out[crowded] = self.view.count_in_many(boxes[crowded])
+        return out
+
+    # -- buckets --------------------------------------------------------------------------------
+    def ensure_sized(self, buckets: I64) -> None:
+        """Grow the given buckets to their stored A_min (once per bucket)."""
+        for b in np.unique(buckets).tolist():
+            if self.sized[b]:
+                continue
+            self.sized[b] = True
+            grown = expand_to_area(self.bucket_mbr(b), float(self.amin_arr[b]))
+            if grown is None:
+                self.k_achieved[b] = _UNGROWABLE
+                continue
+            self.bbox[b] = (grown.min_lon_udeg, grown.min_lat_udeg, grown.max_lon_udeg, grown.max_lat_udeg)
+            self.area[b] = grown.area_m2
+
+    def ensure_counted(self, buckets: I64) -> None:
+        """Count the users in the final boxes of the given (sized) buckets (once per bucket)."""
+        ids = np.unique(buckets)
+        ids = ids[self.k_achieved[ids] == _UNCOUNTED]
+        if len(ids):
+            self.k_achieved[ids] = self.count(self.bbox[ids])
+
+    def bucket_mbr(self, b: int) -> BBox:
+        m = self.mbr[b]
+        return BBox(int(m[0]), int(m[1]), int(m[2]), int(m[3]))
+
+    def bucket_members(self, b: int) -> I64:
+        return self.rows[self.bounds[b] : self.bounds[b + 1]]
+
+    def bucket_region(self, b: int, max_area_m2: float) -> CloakResult:
+        """The region of bucket ``b`` under its members' stored profiles (cached once built).
+
+        A box over ``max_area_m2`` is refused before its users are counted.
+        """
+        reg = self.regions[b]
+        if reg is not None:
+            return reg
+        if not self.sized[b]:
+            self.ensure_sized(np.array([b], np.int64))
+        if self.k_achieved[b] == _UNGROWABLE or self.area[b] > self.amax_arr[b]:
+            self.regions[b] = _AREA_EXCEEDED
+            return _AREA_EXCEEDED
+        if self.area[b] > max_area_m2:
+            return _AREA_EXCEEDED
+        if self.k_achieved[b] == _UNCOUNTED:
+            self.ensure_counted(np.array([b], np.int64))
+        bb = self.bbox[b]
+        reg = Region(
+            bbox=BBox(int(bb[0]), int(bb[1]), int(bb[2]), int(bb[3])),
+            k_achieved=int(self.k_achieved[b]),
+            area_m2=float(self.area[b]),
+            algorithm=self.algorithm,
+            epoch=self.view.epoch,
+            anon_set=self.bucket_members(b),
+        )
+        self.regions[b] = reg
+        return reg
+
+    def grown_region(self, g: _Group, profile: PrivacyProfile) -> CloakResult:
+        """A group's region grown to ``max(group A_min, profile A_min)`` (as :func:`finish_region`)."""
+        grown = expand_to_area(g.mbr, max(g.min_area_m2, profile.min_area_m2))
+        if grown is None:
+            return _AREA_EXCEEDED
+        area = grown.area_m2
+        if area > profile.max_area_m2 or area > g.max_area_m2:
+            return _AREA_EXCEEDED
+        box = np.array([[grown.min_lon_udeg, grown.min_lat_udeg, grown.max_lon_udeg, grown.max_lat_udeg]])
+        k_achieved = int(self.count(box)[0])
+        if k_achieved < profile.k:
+            return _EDGE_CHECK
+        return Region(
+            bbox=grown,
+            k_achieved=k_achieved,
+            area_m2=area,
+            algorithm=self.algorithm,
+            epoch=self.view.epoch,
+            anon_set=g.anon_set,
+        )
+
+    # -- super-buckets --------------------------------------------------------------------------
+    def levels_for(self, k: int) -> list[int]:
+        lv = self.super_levels.get(k)
+        if lv is None:
+            lv = super_bucket_levels(self.size_arr, k).tolist()
+            self.super_levels[k] = lv
+        return lv
+
+    def block(self, j: int, m: int, k: int) -> _Group:
+        """Super-bucket ``[m·2^j, (m+1)·2^j)`` for override ``k``, around all its members.
+
+        Its anonymizing set is its members in buckets of fewer than ``k`` users: exactly those that
+        get this block when sending the same override.
+        """
+        key = (k, j, m)
+        g = self.blocks.get(key)
+        if g is None:
+            b0 = m << j
+            b1 = min((m + 1) << j, self.n_buckets)
+            lo, hi = int(self.bounds[b0]), int(self.bounds[b1])
+            rows = self.rows[lo:hi]
+            lon_k, lat_k = self.lon_key_sorted[lo:hi], self.lat_key_sorted[lo:hi]
+            mbr = bbox_around_keys(int(lon_k.min()), int(lat_k.min()), int(lon_k.max()), int(lat_k.max()))
+            deficient = np.repeat(self.size_arr[b0:b1] < k, self.size_arr[b0:b1])
+            anon = rows[deficient]
+            anon.setflags(write=False)
+            g = _Group(
+                gid=self.n_buckets + ((m << 6) | j),
+                mbr=mbr,
+                min_area_m2=float(self.amin_arr[b0:b1].max()),
+                anon_set=anon,
+                max_area_m2=float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2,
+            )
+            self.blocks[key] = g
+        return g
+
+    def block_region(self, g: _Group, key: tuple[int, int, int], profile: PrivacyProfile) -> CloakResult:
+        """Region of a super-bucket at its members' largest stored A_min (cached per block)."""
+        reg = self.block_regions.get(key)
+        if reg is None:
+            reg = self.grown_region(g, PrivacyProfile(k=1, min_area_m2=0.0, max_area_m2=MAX_REGION_AREA_M2))
+            self.block_regions[key] = reg
+        if isinstance(reg, Refusal):
+            return reg
+        if reg.area_m2 > profile.max_area_m2:
+            return _AREA_EXCEEDED
+        if reg.k_achieved < profile.k:
+            return _EDGE_CHECK
+        return reg
+
+
+class HilbertCloak:
+    """Hilbert Cloak with personalized buckets and aligned super-buckets (CONCEPTS §4.4).
+
+    Reciprocal: buckets are a function of the view (positions, stored profiles, epoch seed) only,
+    and a bucket's region depends on the bucket only. ``cloak`` is a cached O(1) lookup after an
+    O(n log n) per-view build; ``cloak_batch`` is vectorized over the requests.
+
+    Keyword arguments:
+        order: Hilbert curve order on the micro-degree grid (default 29: one cell per micro-degree;
+            a smaller order uses cells of ``2^(29 − order)`` micro-degrees).
+    """
+
+    name: ClassVar[str] = "hilbert"
+    reciprocal: ClassVar[bool] = True
+    supports_l: ClassVar[bool] = False
+
+    def __init__(self, *, order: int = GRID_BITS) -> None:
+        if not 1 <= order <= GRID_BITS:
+            raise ValueError(f"order: must be within [1, {GRID_BITS}]")
+        self.order = order
+        self._key = ("hilbert", order)
+
+    def state(self, view: IndexView) -> _HilbertState:
+        """The per-view buckets (built on first use, cached in ``view.cache``)."""
+        st: _HilbertState | None = view.cache.get(self._key)
+        if st is None:
+            st = _HilbertState(view, self.order, self.name)
+            view.cache[self._key] = st
+        return st
+
+    def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
+        """Region of the querier's bucket (or super-bucket), or the refusal of §3.3."""
+        return self._cloak(self.state(view), row, profile)[0]
+
+    def _cloak(self, st: _HilbertState, row: int, profile: PrivacyProfile) -> tuple[CloakResult, int]:
+        if profile.l > 1:
+            return _UNSUPPORTED, -1
+        k = profile.k
+        if k > st.n:
+            return _K_UNREACHABLE, -1
+        b = st.bucket_of[row]
+        if b < 0:
+            return _NOT_PLACED, -1
+        if k <= st.size[b] and profile.min_area_m2 <= st.amin[b]:
+            reg = st.regions[b]
+            if reg is None:
+                reg = st.bucket_region(b, profile.max_area_m2)
+            if isinstance(reg, Refusal):
+                return reg, -1
+            if reg.area_m2 > profile.max_area_m2:
+                return _AREA_EXCEEDED, -1
+            if reg.k_achieved < k:  # only with users on the world edge, which no bbox holds strictly
+                return _EDGE_CHECK, -1
+            return reg, b
+        return self._stricter(st, b, profile)
+
+    def _stricter(self, st: _HilbertState, b: int, profile: PrivacyProfile) -> tuple[CloakResult, int]:
+        """Override stricter than the bucket: super-bucket for k, growth for min_area_m2 (§4.4)."""
+        k = profile.k
+        if k > st.size[b]:
+            j = st.levels_for(k)[b]
+            if j == -2:
+                return _NO_SUPER_BUCKET, -1
+            g = st.block(j, b >> j, k)
+            if profile.min_area_m2 <= g.min_area_m2:
+                reg = st.block_region(g, (k, j, b >> j), profile)
+                return reg, (g.gid if isinstance(reg, Region) else -1)
+        else:
+            g = _Group(b, st.bucket_mbr(b), st.amin[b], st.bucket_members(b), st.amax[b])
+        # The override's larger A_min makes the region depend on who asks (documented caveat, §4.4).
+        res = st.grown_region(g, profile)
+        return res, (g.gid if isinstance(res, Region) else -1)
+
+    def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
+        """Vectorized over the requests; super-bucket and A_min-override requests go one by one.
+
+        ``group`` is the querier's bucket, or ``n_buckets + (m << 6 | j)`` for the super-bucket
+        ``[m·2^j, (m+1)·2^j)``.
+        """
+        st = self.state(view)
+        rows = np.asarray(rows, dtype=np.int64)
+        m = len(rows)
+        out = BatchResult.empty(self.name, view.epoch, m)
+        if m == 0:
+            return out
+        k = profiles.k
+        unsupported = profiles.l > 1
+        k_unreachable = ~unsupported & (k > st.n)
+        b = st.bucket_arr[rows]
+        not_placed = ~unsupported & ~k_unreachable & (b < 0)
+        live = ~unsupported & ~k_unreachable & ~not_placed
+        bb = np.where(b >= 0, b, 0)
+        fast = np.zeros(m, bool)
+        if st.n_buckets:  # otherwise nobody is placed and nothing is live
+            fast = live & (k <= st.size_arr[bb]) & (profiles.min_area_m2 <= st.amin_arr[bb])
+            unsized = fast & ~st.sized[bb]
+            if unsized.any():
+                st.ensure_sized(bb[unsized])
+        status = out.status
+        status[unsupported] = STATUS_OF[ReasonCode.UNSUPPORTED]
+        status[k_unreachable] = STATUS_OF[ReasonCode.K_UNREACHABLE]
+        status[not_placed] = STATUS_OF[ReasonCode.AREA_EXCEEDED]
+        if fast.any():
+            idx = np.flatnonzero(fast)
+            fb = bb[idx]
+            area = st.area[fb]
+            fits = (st.k_achieved[fb] != _UNGROWABLE) & (area <= profiles.max_area_m2[idx]) & (area <= st.amax_arr[fb])
+            uncounted = fits & (st.k_achieved[fb] == _UNCOUNTED)
+            if uncounted.any():
+                st.ensure_counted(fb[uncounted])
+            kach = st.k_achieved[fb]
+            good = fits & (kach >= k[idx])
+            status[idx[~fits]] = STATUS_OF[ReasonCode.AREA_EXCEEDED]
+            status[idx[fits & ~good]] = STATUS_OF[ReasonCode.K_UNREACHABLE]
+            ok_idx, ok_b = idx[good], fb[good]
+            out.bbox[ok_idx] = st.bbox[ok_b]
+            out.k_achieved[ok_idx] = kach[good]
+            out.area_m2[ok_idx] = area[good]
+            out.group[ok_idx] = ok_b
+        for i in np.flatnonzero(live & ~fast).tolist():
+            res, gid = self._stricter(st, int(b[i]), profiles[i])
+            out.set(i, res)
+            out.group[i] = gid
+        return out
+
+
+__all__ = [
+    "HilbertCloak",
+    "bbox_areas_m2",
+    "bboxes_around_keys",
+    "cover_counts",
+    "group_extents",
+    "hilbert_index",
+    "hilbert_indices",
+    "hilbert_sort",
+    "partition_buckets",
+    "super_bucket_levels",
+    "tie_keys",
+]
