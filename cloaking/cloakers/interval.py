@@ -1,0 +1,792 @@
+"""Interval cloaking on the micro-degree quadtree (Gruteser & Grunwald, MobiSys 2003; CONCEPTS §4.2).
+
+The querier's region is the deepest quadtree cell on its root path that still holds ``k`` users
+and has area ≥ ``min_area_m2``. Both the count and the area shrink monotonically along the root
+path, so the qualifying levels form a prefix of it and the deepest one is found by a binary search
+over levels (about five O(log n) bisects instead of a descent through up to 29 levels).
+
+The module also holds the quadtree machinery that :mod:`cloaking.cloakers.casper` and
+:mod:`cloaking.temporal` share: the per-view :class:`QuadtreeCounts`, cell areas with the contract
+formula (cells clipped to the world) and the published bbox of a cell rectangle (§2.2).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from typing import ClassVar, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, Region, finish_region, refuse
+from cloaking.geometry import UDEG_PER_DEG, WORLD_LAT_UDEG, WORLD_LON_UDEG, BBox, bbox_area_m2, bbox_area_m2_array
+from cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
+from cloaking.index import IndexView
+from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+F64 = npt.NDArray[np.float64]
+Root = tuple[int, int, int]
+"""A quadtree cell ``(level, cx, cy)``; ``(0, 0, 0)`` is the whole grid."""
+
+WORLD_ROOT: Root = (0, 0, 0)
+
+KIND_CELL = 0
+KIND_HPAIR = 1
+KIND_VPAIR = 2
+"""Kinds of a published cell rectangle in :func:`group_id`: one cell, horizontal or vertical sibling pair."""
+
+UNSUPPORTED_L = refuse(ReasonCode.UNSUPPORTED, "l > 1 is not supported by this algorithm (no place diversity)")
+K_UNREACHABLE = refuse(ReasonCode.K_UNREACHABLE)
+AREA_EXCEEDED = refuse(ReasonCode.AREA_EXCEEDED)
+OUTSIDE_ROOT = refuse(ReasonCode.AREA_EXCEEDED, "the querier lies outside the quadtree's root cell")
+_INTERNAL_SHORT = refuse(ReasonCode.K_UNREACHABLE, "internal check: region holds fewer than k users")
+ST_K = STATUS_OF[ReasonCode.K_UNREACHABLE]
+ST_AREA = STATUS_OF[ReasonCode.AREA_EXCEEDED]
+ST_UNSUPPORTED = STATUS_OF[ReasonCode.UNSUPPORTED]
+
+_STRIP = 1 << 31  # edge-strip composite key: own-axis key · 2^31 + (other-axis key + 2^30)
+_STRIP_OFFSET = 1 << 30
+
+
+# -- pure cell geometry ----------------------------------------------------------------------
+
+
+def cell_rect_udeg(level: int, cx0: int, cy0: int, cx1: int, cy1: int) -> tuple[int, int, int, int]:
+    """Half-open micro-degree bounds ``(lon0, lat0, lon1, lat1)`` of the cell rectangle ``[cx0, cx1] × [cy0, cy1]``."""
+    s = GRID_BITS - level
+    return (
+        (cx0 << s) - GRID_OFFSET,
+        (cy0 << s) - GRID_OFFSET,
+        ((cx1 + 1) << s) - GRID_OFFSET,
+        ((cy1 + 1) << s) - GRID_OFFSET,
+    )
+
+
+def rect_bbox(lon0: int, lat0: int, lon1: int, lat1: int) -> BBox:
+    """Published bbox of the half-open micro-degree rectangle of some cells (§2.2).
+
+    Lower edges one micro-degree below the cells' (users on them are strictly inside), upper edges
+    the cells' own, clipped to the world: the box of :meth:`IndexView.cell_rect_bbox`.
+    """
+    return BBox(
+        max(lon0 - 1, -WORLD_LON_UDEG),
+        max(lat0 - 1, -WORLD_LAT_UDEG),
+        min(max(lon1, -WORLD_LON_UDEG + 1), WORLD_LON_UDEG),
+        min(max(lat1, -WORLD_LAT_UDEG + 1), WORLD_LAT_UDEG),
+    )
+
+
+def cell_bbox(level: int, cx0: int, cy0: int, cx1: int, cy1: int) -> BBox:
+    """Published bbox of a cell rectangle, equal to ``view.cell_rect_bbox(...)`` but needing no view."""
+    return rect_bbox(*cell_rect_udeg(level, cx0, cy0, cx1, cy1))
+
+
+def udeg_box_area_m2(lon0: int, lat0: int, lon1: int, lat1: int) -> float:
+    """Contract area (§0) of a micro-degree box clipped to the world; 0 when it lies outside."""
+    lon0 = max(lon0, -WORLD_LON_UDEG)
+    lat0 = max(lat0, -WORLD_LAT_UDEG)
+    lon1 = min(lon1, WORLD_LON_UDEG)
+    lat1 = min(lat1, WORLD_LAT_UDEG)
+    if lon1 <= lon0 or lat1 <= lat0:
+        return 0.0
+    return bbox_area_m2(lon0 / UDEG_PER_DEG, lat0 / UDEG_PER_DEG, lon1 / UDEG_PER_DEG, lat1 / UDEG_PER_DEG)
+
+
+def cell_area_m2(level: int, cx0: int, cy0: int, cx1: int | None = None, cy1: int | None = None) -> float:
+    """Contract area of a cell (or cell rectangle) clipped to the world (§2.1 rule 1)."""
+    return udeg_box_area_m2(*cell_rect_udeg(level, cx0, cy0, cx0 if cx1 is None else cx1, cy0 if cy1 is None else cy1))
+
+
+def cell_areas_m2(level: I64, cx0: I64, cy0: I64, cx1: I64, cy1: I64) -> F64:
+    """Vectorized :func:`cell_area_m2` of cell rectangles (one level per element)."""
+    s = GRID_BITS - level
+    lon0 = np.maximum((cx0 << s) - GRID_OFFSET, -WORLD_LON_UDEG)
+    lat0 = np.maximum((cy0 << s) - GRID_OFFSET, -WORLD_LAT_UDEG)
+    lon1 = np.minimum(((cx1 + 1) << s) - GRID_OFFSET, WORLD_LON_UDEG)
+    lat1 = np.minimum(((cy1 + 1) << s) - GRID_OFFSET, WORLD_LAT_UDEG)
+    area = bbox_area_m2_array(lon0 / UDEG_PER_DEG, lat0 / UDEG_PER_DEG, lon1 / UDEG_PER_DEG, lat1 / UDEG_PER_DEG)
+    out: F64 = np.where((lon1 > lon0) & (lat1 > lat0), area, 0.0)
+    return out
+
+
+def group_id(level: int, cx: int, cy: int, kind: int = KIND_CELL) -> int:
+    """Identifier of a published cell rectangle: a locational code (leading 1 bit) and the kind.
+
+    ``(cx, cy)`` is the rectangle's lower-left cell; at most 61 bits, so it fits an int64.
+    """
+    return (((1 << (2 * level)) | _interleave(cx, cy)) << 2) | kind
+
+
+def _spread_int(v: int) -> int:
+    v &= 0xFFFFFFFF
+    v = (v | (v << 16)) & 0x0000FFFF0000FFFF
+    v = (v | (v << 8)) & 0x00FF00FF00FF00FF
+    v = (v | (v << 4)) & 0x0F0F0F0F0F0F0F0F
+    v = (v | (v << 2)) & 0x3333333333333333
+    return (v | (v << 1)) & 0x5555555555555555
+
+
+def _interleave(cx: int, cy: int) -> int:
+    return _spread_int(cx) | (_spread_int(cy) << 1)
+
+
+def cell_code_base(level: int, cx: int, cy: int) -> tuple[int, int]:
+    """Half-open range of level-29 Morton codes of a cell (pure Python, no numpy round trip)."""
+    sh = 2 * (GRID_BITS - level)
+    base = _interleave(cx, cy) << sh
+    return base, base + (1 << sh)
+
+
+def grid_coord(key: int, axis: Literal["lon", "lat"]) -> int:
+    """Scalar :func:`cloaking.grid.grid_coords`: a coordinate on +180° / +90° goes to the cell below."""
+    top = 2 * (WORLD_LON_UDEG if axis == "lon" else WORLD_LAT_UDEG)
+    return (key >> 1) + GRID_OFFSET - (key == top)
+
+
+def levels_of(root: Root, depth_max: int | None) -> tuple[int, int]:
+    """Validated ``(root level, deepest level)`` of a quadtree with this root and depth limit."""
+    level, cx, cy = root
+    if not 0 <= level <= MAX_LEVEL:
+        raise ValueError("root: level must be within [0, 29]")
+    if not (0 <= cx < (1 << level) and 0 <= cy < (1 << level)):
+        raise ValueError("root: cell coordinates must be within [0, 2^level)")
+    if depth_max is None:
+        return level, MAX_LEVEL
+    if depth_max < 0:
+        raise ValueError("depth_max: must be at least 0")
+    return level, min(MAX_LEVEL, level + depth_max)
+
+
+# -- per-view counting structure ---------------------------------------------------------------
+
+
+class QuadtreeCounts:
+    """Per-view state of the quadtree cloakers, built once and cached in ``view.cache``.
+
+    Sorted level-29 Morton codes as a list (``bisect``: O(log n) per cell count) and as an array
+    (``np.searchsorted`` for batches), the view rows in code order and each row's index in it; two
+    sorted "edge strip" keys, with hashed occupancy hints, so that the users strictly between a
+    published lower edge and the cells' lower edge (§2.2; ``view.edge_extras``) are counted with
+    bisects too, and usually without any; and the memo of published regions.
+    """
+
+    __slots__ = (
+        "codes",
+        "codes_array",
+        "gx",
+        "gy",
+        "hint_bits",
+        "lat_hint",
+        "lat_strip",
+        "lat_strip_array",
+        "lon_hint",
+        "lon_strip",
+        "lon_strip_array",
+        "n",
+        "order",
+        "pos",
+        "regions",
+        "root_counts",
+    )
+    CACHE_KEY: ClassVar[str] = "kcloak.quadtree_counts"
+
+    def __init__(self, view: IndexView) -> None:
+        morton = view.morton
+        order = np.argsort(morton).astype(np.int64)
+        order.setflags(write=False)
+        sorted_codes = morton[order]
+        sorted_codes.setflags(write=False)
+        self.n = len(view)
+        self.order: I64 = order
+        self.codes_array: U64 = sorted_codes
+        self.codes: list[int] = sorted_codes.tolist()
+        pos = np.empty(self.n, np.int64)
+        pos[order] = np.arange(self.n)
+        self.pos: list[int] = pos.tolist()
+        self.gx: list[int] = view.gx.tolist()
+        self.gy: list[int] = view.gy.tolist()
+        self.lon_strip_array: I64 = np.sort(view.lon_key * _STRIP + (view.lat_key + _STRIP_OFFSET))
+        self.lat_strip_array: I64 = np.sort(view.lat_key * _STRIP + (view.lon_key + _STRIP_OFFSET))
+        self.lon_strip: list[int] = self.lon_strip_array.tolist()
+        self.lat_strip: list[int] = self.lat_strip_array.tolist()
+        self.hint_bits = _hint_bits(self.n)
+        self.lon_hint = _strip_hint(view.lon_key, view.lat_key, self.hint_bits)
+        self.lat_hint = _strip_hint(view.lat_key, view.lon_key, self.hint_bits)
+        self.root_counts: dict[Root, int] = {WORLD_ROOT: self.n}
+        self.regions: defaultdict[str, dict[int, Region]] = defaultdict(dict)
+        """Memo of the regions already published, per algorithm, keyed by :func:`group_id` (they
+        depend on the view and the rectangle only; the profile is applied by :func:`fit_profile`)."""
+
+    @classmethod
+    def of(cls, view: IndexView) -> QuadtreeCounts:
+        """The cached instance of ``view`` (built on first use)."""
+        qt = view.cache.get(cls.CACHE_KEY)
+        if qt is None:
+            qt = view.cache[cls.CACHE_KEY] = cls(view)
+        return qt
+
+    def root_count(self, root: Root) -> int:
+        """Users in a root cell (memoized; the whole grid holds everyone)."""
+        n = self.root_counts.get(root)
+        if n is None:
+            n = self.root_counts[root] = self.count(*root)
+        return n
+
+    def count_range(self, lo: int, hi: int) -> int:
+        """Users whose level-29 Morton code lies in ``[lo, hi)``."""
+        codes = self.codes
+        i = bisect_left(codes, lo)
+        return bisect_left(codes, hi, i) - i
+
+    def count(self, level: int, cx: int, cy: int) -> int:
+        """Users in cell ``(level, cx, cy)`` (half-open, the grid's assignment); equals ``view.count_cell``."""
+        return self.count_range(*cell_code_base(level, cx, cy))
+
+    def edge_extra(self, lon0: int, lat0: int, lon1: int, lat1: int) -> int:
+        """Users strictly inside the published box of ``[lon0, lon1) × [lat0, lat1)`` but outside it.
+
+        They sit strictly between a published lower edge and the cells' lower edge: lon key
+        ``2·lon0 − 1`` (left strip) or lat key ``2·lat0 − 1`` (bottom strip, corner counted once).
+        The same number as ``view.edge_extras`` for a box away from the world edge.
+        """
+        klon = 2 * lon0 - 1
+        extra = 0
+        if _maybe(self.lon_hint, self.hint_bits, lon0 - 1, lat0 - 1, lat1 - 1):
+            strip = self.lon_strip
+            base = klon * _STRIP + _STRIP_OFFSET
+            i = bisect_right(strip, base + 2 * lat0 - 2)
+            extra = bisect_left(strip, base + 2 * lat1, i) - i
+        if _maybe(self.lat_hint, self.hint_bits, lat0 - 1, lon0 - 1, lon1 - 1):
+            strip = self.lat_strip
+            base = (2 * lat0 - 1) * _STRIP + _STRIP_OFFSET
+            i = bisect_right(strip, base + 2 * lon0 - 2)
+            j = bisect_left(strip, base + 2 * lon1, i)
+            if j > i:
+                corner = base + klon
+                extra += j - i - (bisect_right(strip, corner, i, j) - bisect_left(strip, corner, i, j))
+        return extra
+
+    def edge_extras(self, rect: I64) -> I64:
+        """Vectorized :meth:`edge_extra` for an ``(m, 4)`` array of half-open micro-degree rectangles."""
+        lon0, lat0, lon1, lat1 = rect[:, 0], rect[:, 1], rect[:, 2], rect[:, 3]
+        klon = 2 * lon0 - 1
+        base = klon * _STRIP + _STRIP_OFFSET
+        out = search(self.lon_strip_array, base + 2 * lat1, "left", base + 2 * lat0 - 2, "right")
+        base = (2 * lat0 - 1) * _STRIP + _STRIP_OFFSET
+        out += search(self.lat_strip_array, base + 2 * lon1, "left", base + 2 * lon0 - 2, "right")
+        corner = base + klon
+        out -= search(self.lat_strip_array, corner, "right", corner, "left")
+        return out
+
+
+def search(
+    sorted_values: npt.NDArray[np.int64] | U64,
+    hi: npt.NDArray[np.int64] | U64,
+    hi_side: Literal["left", "right"],
+    lo: npt.NDArray[np.int64] | U64,
+    lo_side: Literal["left", "right"],
+) -> I64:
+    """``searchsorted(hi) − searchsorted(lo)`` with the needles visited in sorted order.
+
+    NumPy's binary search reuses the previous position when needles increase, so sorting them
+    first (one argsort) makes a batch of searches several times faster on large arrays.
+    """
+    order = np.argsort(lo)
+    out = np.empty(len(lo), np.int64)
+    out[order] = np.searchsorted(sorted_values, hi[order], hi_side) - np.searchsorted(sorted_values, lo[order], lo_side)
+    return out
+
+
+_HINT_SHIFT = 10  # rows of the strip hint: 1024 µdeg (≈ 110 m) of the other axis
+
+
+def _hint_bits(n: int) -> tuple[int, int]:
+    """(column bits, row bits) of the strip hints: about 64 buckets per user, 2^12 … 2^24 in all."""
+    total = min(max((64 * max(n, 1) - 1).bit_length(), 12), 24)
+    return total // 2, total - total // 2
+
+
+def _strip_hint(own_key: I64, other_key: I64, bits: tuple[int, int]) -> bytes:
+    """A byte per (micro-degree column of the own axis, 1024-µdeg row of the other), hashed modulo.
+
+    1 where some user lies strictly inside that column (odd key): a 0 proves an edge strip empty,
+    so the common case (no user between a published edge and the cells' edge) needs no bisect.
+    """
+    col_bits, row_bits = bits
+    odd = (own_key & 1) == 1
+    col = (own_key[odd] >> 1) & ((1 << col_bits) - 1)
+    row = ((other_key[odd] >> 1) >> _HINT_SHIFT) & ((1 << row_bits) - 1)
+    hint = np.zeros(1 << (col_bits + row_bits), np.uint8)
+    hint[(col << row_bits) | row] = 1
+    return hint.tobytes()
+
+
+def _maybe(hint: bytes, bits: tuple[int, int], column: int, lo: int, hi: int) -> bool:
+    """Whether a strip (micro-degree ``column``, other axis floor µdeg in ``[lo, hi]``) may hold a user."""
+    r0 = lo >> _HINT_SHIFT
+    r1 = hi >> _HINT_SHIFT
+    if r1 - r0 > 3:
+        return True
+    col_bits, row_bits = bits
+    base = (column & ((1 << col_bits) - 1)) << row_bits
+    mask = (1 << row_bits) - 1
+    return any(hint[base | (r & mask)] for r in range(r0, r1 + 1))
+
+
+def touches_world_edge(lon0: int, lat0: int, lon1: int, lat1: int) -> bool:
+    """Whether the published box of this rectangle reaches the world edge (clipped or on it).
+
+    There strictness is waived (contract §0: a user on ±180° / ±90° counts), so the edge strips do
+    not describe the extra users and the count comes from ``view.count_in``.
+    """
+    return (
+        lon0 - 1 <= -WORLD_LON_UDEG or lat0 - 1 <= -WORLD_LAT_UDEG or lon1 >= WORLD_LON_UDEG or lat1 >= WORLD_LAT_UDEG
+    )
+
+
+def rect_region(
+    view: IndexView, qt: QuadtreeCounts, algorithm: str, rect: tuple[int, int, int, int], in_cells: int, anon_set: I64
+) -> Region:
+    """The region of a cell rectangle, independent of any profile: bbox (§2.2), area, exact ``k_achieved``.
+
+    ``in_cells`` is the rectangle's grid count; ``k_achieved`` adds the edge strips, which makes
+    it equal to ``view.count_in(bbox)`` (tested); where the box reaches the world edge it *is*
+    ``view.count_in(bbox)``. Depends only on the view and the rectangle, so it is memoized.
+    """
+    lon0, lat0, lon1, lat1 = rect
+    if touches_world_edge(lon0, lat0, lon1, lat1):
+        bbox = rect_bbox(lon0, lat0, lon1, lat1)
+        return Region(bbox, view.count_in(bbox), bbox.area_m2, algorithm, view.epoch, anon_set)
+    bbox = BBox(lon0 - 1, lat0 - 1, lon1, lat1)
+    k_achieved = in_cells + qt.edge_extra(lon0, lat0, lon1, lat1)
+    return Region(bbox, k_achieved, bbox.area_m2, algorithm, view.epoch, anon_set)
+
+
+def fit_profile(view: IndexView, region: Region, profile: PrivacyProfile) -> CloakResult:
+    """Judge a rectangle's region against the profile on its final bbox (§2.2, §3.3).
+
+    Below ``min_area_m2`` it grows (§2.5; only a root can be that small) and is recounted; above
+    ``max_area_m2`` the request is refused ``area_exceeded``.
+    """
+    area = region.area_m2
+    if area < profile.min_area_m2:
+        return finish_region(view, region.bbox, profile, algorithm=region.algorithm, anon_set=region.anon_set)
+    if area > profile.max_area_m2:
+        return AREA_EXCEEDED
+    if region.k_achieved < profile.k:  # only where the world edge makes strictness impossible
+        return _INTERNAL_SHORT
+    return region
+
+
+def publish_rects(
+    view: IndexView,
+    qt: QuadtreeCounts,
+    out: BatchResult,
+    idx: I64,
+    level: I64,
+    cx0: I64,
+    cy0: I64,
+    cx1: I64,
+    cy1: I64,
+    in_cells: I64,
+    kind: I64 | int,
+    profiles: ProfileArrays,
+    codes: U64,
+) -> I64:
+    """Vectorized :func:`rect_region` and :func:`fit_profile` into ``out`` at request indices ``idx``.
+
+    ``codes`` are the queriers' Morton codes (they name the rectangles in ``out.group``).
+
+    Returns the request indices whose rectangle is below ``min_area_m2``; the caller sends them
+    through the scalar path (they need the §2.5 growth and a recount).
+    """
+    s = GRID_BITS - level
+    rect = np.empty((len(idx), 4), np.int64)
+    rect[:, 0] = (cx0 << s) - GRID_OFFSET
+    rect[:, 1] = (cy0 << s) - GRID_OFFSET
+    rect[:, 2] = ((cx1 + 1) << s) - GRID_OFFSET
+    rect[:, 3] = ((cy1 + 1) << s) - GRID_OFFSET
+    bboxes = np.empty_like(rect)
+    bboxes[:, 0] = np.maximum(rect[:, 0] - 1, -WORLD_LON_UDEG)
+    bboxes[:, 1] = np.maximum(rect[:, 1] - 1, -WORLD_LAT_UDEG)
+    bboxes[:, 2] = np.minimum(np.maximum(rect[:, 2], -WORLD_LON_UDEG + 1), WORLD_LON_UDEG)
+    bboxes[:, 3] = np.minimum(np.maximum(rect[:, 3], -WORLD_LAT_UDEG + 1), WORLD_LAT_UDEG)
+    area = bbox_area_m2_array(
+        bboxes[:, 0] / UDEG_PER_DEG,
+        bboxes[:, 1] / UDEG_PER_DEG,
+        bboxes[:, 2] / UDEG_PER_DEG,
+        bboxes[:, 3] / UDEG_PER_DEG,
+    )
+    small = area < profiles.min_area_m2[idx]
+    too_big = ~small & (area > profiles.max_area_m2[idx])
+    out.status[idx[too_big]] = ST_AREA
+    keep = np.flatnonzero(~small & ~too_big)
+    sel = idx[keep]
+    r = rect[keep]
+    k_ach = in_cells[keep] + qt.edge_extras(r)
+    edge = (r[:, 0] - 1 <= -WORLD_LON_UDEG) | (r[:, 1] - 1 <= -WORLD_LAT_UDEG)
+    edge |= (r[:, 2] >= WORLD_LON_UDEG) | (r[:, 3] >= WORLD_LAT_UDEG)
+    ci = np.flatnonzero(edge)
+    if len(ci):
+        k_ach[ci] = view.count_in_many(bboxes[keep][ci])
+    out.status[sel[k_ach < profiles.k[sel]]] = ST_K
+    out.bbox[sel] = bboxes[keep]
+    out.area_m2[sel] = area[keep]
+    out.k_achieved[sel] = k_ach
+    kinds = np.int64(kind) if isinstance(kind, int) else kind[keep]
+    lk = level[keep]
+    prefix = (codes[keep] >> (2 * (GRID_BITS - lk)).astype(np.uint64)).astype(np.int64)
+    prefix &= ~kinds  # a pair is named by its lower-left cell: clear the x bit (1) or the y bit (2)
+    out.group[sel] = (((np.int64(1) << (2 * lk)) | prefix) << 2) | kinds
+    small_idx: I64 = idx[small]
+    return small_idx
+
+
+# -- level search ------------------------------------------------------------------------------
+
+
+_GALLOP = 64
+
+
+def run_start(codes: list[int], x: int, p: int) -> int:
+    """First index whose code is ≥ ``x``, given ``codes[p] ≥ x``: a bisect over the 64 codes before
+    ``p`` when the run starts there (the usual case: runs hold a few k), else over ``[0, p]``."""
+    lo = p - _GALLOP
+    if lo >= 0 and codes[lo] < x:
+        return bisect_left(codes, x, lo + 1, p + 1)
+    return bisect_left(codes, x, 0, p + 1)
+
+
+def run_end(codes: list[int], x: int, p: int) -> int:
+    """First index whose code is ≥ ``x``, given ``codes[p] < x`` (the mirror of :func:`run_start`)."""
+    hi = p + _GALLOP
+    if hi < len(codes) and codes[hi] >= x:
+        return bisect_left(codes, x, p + 1, hi)
+    return bisect_left(codes, x, p + 1)
+
+
+def deepest_level(
+    qt: QuadtreeCounts, p: int, code: int, gx: int, gy: int, k: int, min_area_m2: float, lo: int, hi: int
+) -> int:
+    """Deepest level in ``[lo, hi]`` whose cell on the querier's path holds ≥ k users and has area ≥ A_min.
+
+    ``p`` is an index of the querier's code in ``qt.codes``; level ``lo`` is taken as qualifying.
+    Both predicates are monotone along the root path (a child is a subset of its parent), so a
+    binary search needs ⌈log2(hi − lo + 1)⌉ probes. The cell ``[base, top)`` holds ≥ k users iff
+    the (k−1)-th code after its first one, index ``i``, is below ``top``; ``i`` is searched only
+    in the window ``(p − k + 1, p]`` (if the cell starts at or before the window, it holds
+    ``codes[p − k + 1 … p]``), so a probe is at most one bisect over k codes.
+    """
+    codes = qt.codes
+    n = qt.n
+    w0 = p - k + 1
+    if w0 < 0:
+        w0 = 0
+    check_area = min_area_m2 > 0
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        s = GRID_BITS - mid
+        if check_area and cell_area_m2(mid, gx >> s, gy >> s) < min_area_m2:
+            hi = mid - 1
+            continue
+        sh = 2 * s
+        base = (code >> sh) << sh
+        i = w0 if codes[w0] >= base else bisect_left(codes, base, w0 + 1, p + 1)
+        j = i + k - 1
+        if j < n and codes[j] < base + (1 << sh):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def deepest_levels(qt: QuadtreeCounts, codes: U64, gx: I64, gy: I64, k: I64, min_area_m2: F64, lo: I64, hi: I64) -> I64:
+    """Vectorized :func:`deepest_level`: one ``searchsorted`` per round for all requests still open."""
+    lo = lo.copy()
+    hi = hi.copy()
+    s_codes = qt.codes_array
+    n = qt.n
+    if n == 0:
+        return lo
+    while True:
+        act = np.flatnonzero(lo < hi)
+        if len(act) == 0:
+            return lo
+        a_lo = lo[act]
+        a_hi = hi[act]
+        mid = (a_lo + a_hi + 1) >> 1
+        s = GRID_BITS - mid
+        sh = (2 * s).astype(np.uint64)
+        base = (codes[act] >> sh) << sh
+        j = np.searchsorted(s_codes, base) + k[act] - 1
+        good = (j < n) & (s_codes[np.minimum(j, n - 1)] < base + (np.uint64(1) << sh))
+        a_min = min_area_m2[act]
+        need = np.flatnonzero(a_min > 0)
+        if len(need):
+            cx = gx[act[need]] >> s[need]
+            cy = gy[act[need]] >> s[need]
+            good[need] &= cell_areas_m2(mid[need], cx, cy, cx, cy) >= a_min[need]
+        lo[act] = np.where(good, mid, a_lo)
+        hi[act] = np.where(good, a_hi, mid - 1)
+
+
+def range_counts(qt: QuadtreeCounts, lo: U64, hi: U64) -> I64:
+    """Vectorized count of codes in ``[lo, hi)``."""
+    return search(qt.codes_array, hi, "left", lo, "left")
+
+
+def cell_base(codes: U64, level: I64) -> tuple[U64, U64]:
+    """Vectorized half-open code range of the cells at ``level`` that hold ``codes``."""
+    sh = (2 * (GRID_BITS - level)).astype(np.uint64)
+    base = (codes >> sh) << sh
+    return base, base + (np.uint64(1) << sh)
+
+
+def shortfall(n_present: int, k: int) -> CloakResult:
+    """Refusal when no region of the algorithm holds ``k`` users (§3.3: ``k_unreachable`` only if n < k)."""
+    return K_UNREACHABLE if n_present < k else AREA_EXCEEDED
+
+
+def batch_prologue(
+    qt: QuadtreeCounts,
+    view: IndexView,
+    out: BatchResult,
+    rows: I64,
+    profiles: ProfileArrays,
+    root: Root,
+    *,
+    check_root: bool = True,
+) -> tuple[I64, U64, I64, I64]:
+    """Common start of a quadtree ``cloak_batch``: refusals for l, k and the root; the live requests.
+
+    Returns ``(live request indices, their codes, gx, gy)``, sorted by code.
+    """
+    level, rcx, rcy = root
+    k = profiles.k
+    gx = view.gx[rows]
+    gy = view.gy[rows]
+    s0 = GRID_BITS - level
+    ok = ((gx >> s0) == rcx) & ((gy >> s0) == rcy)
+    if check_root:
+        ok &= qt.root_count(root) >= k
+    else:
+        ok &= k <= qt.n
+    out.status[:] = np.where(ok, 0, np.where(k > qt.n, ST_K, ST_AREA))
+    out.status[profiles.l > 1] = ST_UNSUPPORTED
+    live = np.flatnonzero(out.status == 0)
+    codes = view.morton[rows[live]]
+    # Requests in code order: every later searchsorted then walks the sorted codes forwards (≈7× faster).
+    by_code = np.argsort(codes)
+    live = live[by_code]
+    return live, codes[by_code], gx[live], gy[live]
+
+
+# -- the cloaker -----------------------------------------------------------------------------
+
+
+def reciprocal_partition(view: IndexView, root: Root, deepest: int) -> tuple[I64, npt.NDArray[np.bool_]]:
+    """The reciprocal quadtree of §4.2 [design]: each view row's leaf level, and whether its leaf stands alone.
+
+    A node is split iff every non-empty child can stand alone (holds ≥ the largest stored k of its
+    users and has area ≥ their largest stored A_min) and the depth limit allows; the leaves depend
+    on the view and the stored profiles only. Built top-down one level at a time over the
+    Morton-sorted users (``reduceat`` per level). Only the root can be a leaf that does not stand
+    alone. Rows outside the root get level −1. Cached per view.
+    """
+    key = ("kcloak.interval.partition", root, deepest)
+    cached = view.cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    qt = QuadtreeCounts.of(view)
+    order = qt.order
+    codes = qt.codes_array
+    n = qt.n
+    root_level, rcx, rcy = root
+    s0 = GRID_BITS - root_level
+    gx = view.gx[order]
+    gy = view.gy[order]
+    k = view.k[order]
+    a_min = view.min_area_m2[order]
+    leaf = np.full(n, -1, np.int64)
+    stands = np.zeros(n, bool)
+    idx = np.flatnonzero(((gx >> s0) == rcx) & ((gy >> s0) == rcy))  # sorted positions still descending
+    if len(idx):
+        stands[idx] = len(idx) >= k[idx].max() and cell_area_m2(*root) >= a_min[idx].max()
+    level = root_level
+    while len(idx) and level < deepest:
+        child = level + 1
+        sc = GRID_BITS - child
+        prefix = codes[idx] >> np.uint64(2 * sc)
+        starts = np.flatnonzero(np.concatenate(([True], prefix[1:] != prefix[:-1])))
+        counts = np.diff(np.append(starts, len(idx)))
+        cx = gx[idx[starts]] >> sc
+        cy = gy[idx[starts]] >> sc
+        area = cell_areas_m2(np.full(len(starts), child, np.int64), cx, cy, cx, cy)
+        alone = (counts >= np.maximum.reduceat(k[idx], starts)) & (area >= np.maximum.reduceat(a_min[idx], starts))
+        parent = prefix[starts] >> np.uint64(2)
+        pstarts = np.flatnonzero(np.concatenate(([True], parent[1:] != parent[:-1])))
+        split = np.minimum.reduceat(alone.astype(np.uint8), pstarts).astype(bool)
+        user_split = np.repeat(np.repeat(split, np.diff(np.append(pstarts, len(starts)))), counts)
+        leaf[idx[~user_split]] = level
+        idx = idx[user_split]
+        stands[idx] = True  # children of a split node all stand alone
+        level = child
+    leaf[idx] = level
+    out_leaf = np.empty(n, np.int64)
+    out_leaf[order] = leaf
+    out_stands = np.empty(n, bool)
+    out_stands[order] = stands
+    out_leaf.setflags(write=False)
+    out_stands.setflags(write=False)
+    view.cache[key] = (out_leaf, out_stands)
+    return out_leaf, out_stands
+
+
+class IntervalCloak:
+    """Gruteser–Grunwald interval cloaking with the ``A_min`` stop rule (CONCEPTS §4.2).
+
+    Not reciprocal (test ``recip_quadtree``). Counts come from the view's sorted Morton codes, so a
+    request costs a handful of bisects; ``cloak_batch`` runs the same level search on arrays.
+
+    Keyword arguments:
+        root: the quadtree's root cell ``(level, cx, cy)`` on the micro-degree grid (default
+            ``(0, 0, 0)``, the whole grid).
+        depth_max: how many levels below the root the descent may go (default: down to level 29).
+        reciprocal_partition: serve the querier's leaf of the reciprocal quadtree instead (§4.2
+            [design]; default False). The leaves come from the view and the *stored* profiles, so
+            every member of a leaf gets the same region; a request stricter than its leaf allows
+            (an override) is refused rather than coarsened. The class attribute ``reciprocal``
+            stays False (it is per class); :attr:`partition_reciprocal` tells the instance's.
+    """
+
+    name: ClassVar[str] = "interval"
+    reciprocal: ClassVar[bool] = False
+    supports_l: ClassVar[bool] = False
+
+    def __init__(
+        self, *, root: Root = WORLD_ROOT, depth_max: int | None = None, reciprocal_partition: bool = False
+    ) -> None:
+        self._root_level, self._deepest = levels_of(root, depth_max)
+        self.root = root
+        self.depth_max = self._deepest - self._root_level
+        self.reciprocal_partition = reciprocal_partition
+
+    @property
+    def partition_reciprocal(self) -> bool:
+        """Whether this instance is reciprocal (the reciprocal-quadtree variant)."""
+        return self.reciprocal_partition
+
+    def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
+        """Cloak the request of view row ``row`` (§4.2 pseudocode, binary search over levels)."""
+        if profile.l > 1:
+            return UNSUPPORTED_L
+        qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or QuadtreeCounts.of(view)
+        k = profile.k
+        gx = qt.gx[row]
+        gy = qt.gy[row]
+        root = self.root
+        if self._root_level:
+            s0 = GRID_BITS - root[0]
+            if gx >> s0 != root[1] or gy >> s0 != root[2]:
+                return shortfall(qt.n, k) if qt.n < k else OUTSIDE_ROOT
+        p = qt.pos[row]
+        codes = qt.codes
+        code = codes[p]
+        if self.reciprocal_partition:
+            leaf, stands = reciprocal_partition(view, root, self._deepest)
+            if not stands[row]:
+                return shortfall(qt.n, k)
+            level = int(leaf[row])
+        else:
+            if qt.root_count(root) < k:
+                return shortfall(qt.n, k)
+            level = deepest_level(qt, p, code, gx, gy, k, profile.min_area_m2, self._root_level, self._deepest)
+        s = GRID_BITS - level
+        sh = 2 * s
+        key = ((1 << (2 * level)) | (code >> sh)) << 2  # group_id(level, cx, cy, KIND_CELL)
+        memo = qt.regions[self.name]
+        region = memo.get(key)
+        if region is None:
+            base = (code >> sh) << sh
+            i = run_start(codes, base, p)
+            j = run_end(codes, base + (1 << sh), p)
+            lon0 = ((gx >> s) << s) - GRID_OFFSET
+            lat0 = ((gy >> s) << s) - GRID_OFFSET
+            w = 1 << s
+            rect = (lon0, lat0, lon0 + w, lat0 + w)
+            region = memo[key] = rect_region(view, qt, self.name, rect, j - i, qt.order[i:j])
+        if len(region.anon_set) < k:  # reciprocal variant: the group itself must hold k (§1.5)
+            return shortfall(qt.n, k)
+        return fit_profile(view, region, profile)
+
+    def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
+        """Vectorized :meth:`cloak`: the level binary search runs on all requests at once."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = BatchResult.empty(self.name, view.epoch, len(rows))
+        if len(rows) == 0:
+            return out
+        qt = QuadtreeCounts.of(view)
+        live, codes, gx, gy = batch_prologue(
+            qt, view, out, rows, profiles, self.root, check_root=not self.reciprocal_partition
+        )
+        m = len(live)
+        if self.reciprocal_partition:
+            leaf, stands = reciprocal_partition(view, self.root, self._deepest)
+            level = leaf[rows[live]]
+            lo, hi = cell_base(codes, np.maximum(level, 0))
+            n_in = range_counts(qt, lo, hi)
+            bad = ~stands[rows[live]] | (n_in < profiles.k[live])
+            out.status[live[bad]] = np.where(profiles.k[live[bad]] > qt.n, ST_K, ST_AREA)
+            keep = ~bad
+            live, codes, gx, gy, level, n_in = live[keep], codes[keep], gx[keep], gy[keep], level[keep], n_in[keep]
+        else:
+            level = deepest_levels(
+                qt,
+                codes,
+                gx,
+                gy,
+                profiles.k[live],
+                profiles.min_area_m2[live],
+                np.full(m, self._root_level, np.int64),
+                np.full(m, self._deepest, np.int64),
+            )
+            lo, hi = cell_base(codes, level)
+            n_in = range_counts(qt, lo, hi)
+        s = GRID_BITS - level
+        cx = gx >> s
+        cy = gy >> s
+        small = publish_rects(view, qt, out, live, level, cx, cy, cx, cy, n_in, KIND_CELL, profiles, codes)
+        for i in small.tolist():
+            out.set(i, self.cloak(view, int(rows[i]), profiles[i]))
+        return out
+
+
+__all__ = [
+    "KIND_CELL",
+    "KIND_HPAIR",
+    "KIND_VPAIR",
+    "WORLD_ROOT",
+    "IntervalCloak",
+    "QuadtreeCounts",
+    "Root",
+    "cell_area_m2",
+    "cell_areas_m2",
+    "cell_bbox",
+    "cell_code_base",
+    "cell_rect_udeg",
+    "deepest_level",
+    "deepest_levels",
+    "fit_profile",
+    "grid_coord",
+    "group_id",
+    "levels_of",
+    "publish_rects",
+    "rect_bbox",
+    "rect_region",
+    "run_end",
+    "run_start",
+    "udeg_box_area_m2",
+]
