@@ -1,0 +1,302 @@
+"""``kcloak bench`` and its ``cloak`` benchmark (contract §9): flags in, report out.
+
+``bench`` is one command whose benchmarks are sub-subcommands contributed by the modules
+that own the work. A module adds one from its own ``add_parser(subparsers)`` (listed in
+``broker.cli``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
+whichever module comes first creates the ``bench`` parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgressBar
+from rich.table import Table
+
+from broker.cli import UsageError
+from cloaking.bench import (
+    K_LEVEL_WEIGHTS,
+    BenchError,
+    CloakBenchConfig,
+    CloakBenchReport,
+    NullProgress,
+    Population,
+    Progress,
+    clustered_population,
+    k_levels,
+    run_cloak_bench,
+    snapshot_population,
+)
+from cloaking.cloakers import SPATIAL_ALGORITHMS
+from cloaking.profile import MAX_AREA_CAP_M2
+from streams.readers import ReaderError, read_fixes
+
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+DEFAULT_USERS = 100_000
+
+
+def bench_subparsers(subparsers: SubParsers) -> SubParsers:
+    """The sub-subcommand action of ``kcloak bench`` (created on first use)."""
+    bench = subparsers.choices.get("bench")
+    if bench is None:
+        bench = subparsers.add_parser(
+            "bench",
+            help="benchmarks (cloak, …)",
+            description="Benchmarks. Each prints a readable table, or with --json exactly one JSON "
+            'object {"bench": NAME, "results": [...]} on stdout; progress goes to stderr.',
+        )
+        action = bench.add_subparsers(dest="bench", metavar="BENCH")
+        action.required = True
+        return action
+    for act in bench._actions:
+        if isinstance(act, argparse._SubParsersAction):
+            found: SubParsers = act
+            return found
+    raise RuntimeError("the bench parser has no sub-subcommands")  # pragma: no cover - built above
+
+
+def add_parser(subparsers: SubParsers) -> None:
+    """Add ``bench`` (if needed) and ``bench cloak``."""
+    bench = bench_subparsers(subparsers)
+    lo, mid, hi = K_LEVEL_WEIGHTS
+    p = bench.add_parser(
+        "cloak",
+        help="cloaking quality and speed of every spatial algorithm",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Cloak a seeded stream of requests with each algorithm and report quality (success rate,\n"
+            "achieved k / requested k, areas, median area relative to the MBR of the querier and its\n"
+            "k-1 nearest users) and cost (per-call latency, single and batch throughput, index updates,\n"
+            "index memory per user).\n\n"
+            "Population: clustered synthetic users around Beijing (39.9 N, 116.4 E), or with --data a\n"
+            "snapshot of a trace (contract CSV or AIS, .gz ok): the latest fix of every trajectory at the\n"
+            "instant T that maximizes the trajectories with a fix in [T - W, T]. W (--window-s) defaults\n"
+            "to the 90th percentile of the trace's consecutive-fix gaps rounded up to a minute (at least\n"
+            "60 s; T-Drive: 360 s); 0 takes the last fix of every trajectory. The JSON reports T and W.\n\n"
+            f"Stored profiles: k = ceil(K/2), K or floor(3K/2) with probabilities {lo}, {mid}, {hi};\n"
+            "min_area_m2 0; max_area_m2 from --max-area-m2. Each request uses the querier's stored\n"
+            "profile. clique is run as a stream over simulated time (each user queries once a minute)."
+        ),
+    )
+    p.add_argument(
+        "--users",
+        type=int,
+        metavar="N",
+        help=f"population size ({DEFAULT_USERS}; with --data: a random "
+        "subset of at most N snapshot users, default all)",
+    )
+    p.add_argument("--k", type=int, default=10, metavar="K", help="central k of the stored profiles (10)")
+    p.add_argument(
+        "--algorithms",
+        default=",".join(SPATIAL_ALGORITHMS),
+        metavar="A,B",
+        help=f"algorithms to run ({','.join(SPATIAL_ALGORITHMS)})",
+    )
+    p.add_argument("--data", metavar="CSV", help="trace to snapshot instead of the synthetic population")
+    p.add_argument("--requests", type=int, default=100_000, metavar="N", help="requests per algorithm (100000)")
+    p.add_argument("--max-area-m2", type=float, default=4.0e6, metavar="A", help="max_area_m2 of every profile (4e6)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed of population, profiles and requests (random)")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        metavar="S",
+        help="with --data: staleness window W in seconds (auto, see above; 0 = last fix of every trajectory)",
+    )
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="stop an algorithm's single-call stream after S seconds; the row is marked truncated (300)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.set_defaults(func=run_bench_cloak)
+
+
+# -- running ----------------------------------------------------------------------------------
+def parse_algorithms(text: str) -> tuple[str, ...]:
+    """Comma-separated algorithm names, checked against the registry, duplicates dropped."""
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    if not names:
+        raise UsageError("--algorithms: name at least one algorithm")
+    for a in names:
+        if a not in SPATIAL_ALGORITHMS:
+            raise UsageError(f"--algorithms: unknown algorithm {a!r} (known: {', '.join(SPATIAL_ALGORITHMS)})")
+    return tuple(dict.fromkeys(names))
+
+
+def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
+    """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
+    if not 1 <= args.k <= 1000:
+        raise UsageError("--k: must be within [1, 1000]")
+    if args.requests < 1:
+        raise UsageError("--requests: must be at least 1")
+    if not (math.isfinite(args.max_area_m2) and 0 < args.max_area_m2 <= MAX_AREA_CAP_M2):
+        raise UsageError(f"--max-area-m2: must be within (0, {MAX_AREA_CAP_M2:g}]")
+    if args.users is not None and args.users < 1:
+        raise UsageError("--users: must be at least 1")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError("--seed: must be non-negative")
+    if args.window_s is not None and not (math.isfinite(args.window_s) and args.window_s >= 0):
+        raise UsageError("--window-s: must be 0 or a positive number of seconds")
+    if args.window_s is not None and args.data is None:
+        raise UsageError("--window-s: only applies with --data")
+    if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
+        raise UsageError("--time-limit-s: must be positive")
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    return CloakBenchConfig(
+        algorithms=parse_algorithms(args.algorithms),
+        k=args.k,
+        requests=args.requests,
+        max_area_m2=args.max_area_m2,
+        seed=seed,
+        time_limit_s=args.time_limit_s,
+    )
+
+
+def load_population(args: argparse.Namespace, seed: int) -> Population:
+    """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
+    try:
+        if args.data is None:
+            return clustered_population(args.users if args.users is not None else DEFAULT_USERS, seed=seed)
+        path = Path(args.data)
+        fixes = read_fixes(path)
+        return snapshot_population(fixes, window_s=args.window_s, max_users=args.users, seed=seed, source=path.name)
+    except (ReaderError, BenchError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def run_bench_cloak(args: argparse.Namespace) -> int:
+    """``kcloak bench cloak``: 0 when at least one algorithm was measured, else 1."""
+    config = config_from_args(args)
+    pop = load_population(args, config.seed)
+    show = not args.no_progress and sys.stderr.isatty()
+    with _progress(show) as progress:
+        report = run_cloak_bench(pop, config, progress=progress)
+    for row in report.rows:
+        if "error" in row.extra:
+            print(f"kcloak: warning: {row.algorithm}: {row.extra['error']}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+    else:
+        print_table(report)
+    return 1 if report.failed else 0
+
+
+class RichProgress:
+    """:class:`cloaking.bench.Progress` drawn with ``rich`` on stderr, one bar per phase."""
+
+    def __init__(self, bar: RichProgressBar) -> None:
+        self._bar = bar
+        self._task: Any = None
+
+    def phase(self, description: str, total: int) -> None:
+        if self._task is not None:
+            self._bar.update(self._task, visible=False)
+        self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, n)
+
+
+@contextmanager
+def _progress(show: bool) -> Iterator[Progress]:
+    if not show:
+        yield NullProgress()
+        return
+    bar = RichProgressBar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with bar:
+        yield RichProgress(bar)
+
+
+# -- the readable table -----------------------------------------------------------------------
+def _fmt(v: Any, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def print_table(report: CloakBenchReport, console: Console | None = None) -> None:
+    """The report as a table on stdout (``--json`` absent)."""
+    out = console if console is not None else Console(width=None if sys.stdout.isatty() else 160)
+    d = report.to_json()
+    pop = d["population"]
+    snap = pop.get("snapshot")
+    where = (
+        f"{pop['source']}: snapshot at t={snap['t']:.0f}, window {snap['window_s']:.0f} s, "
+        f"{pop['users']} users of {snap['trajectories']} trajectories"
+        if snap
+        else f"synthetic clustered population, {pop['users']} users"
+    )
+    c = report.config
+    table = Table(
+        title=f"bench cloak — {where}; k ≈ {c.k} ({'/'.join(map(str, k_levels(c.k)))}), "
+        f"max area {c.max_area_m2:,.0f} m², seed {c.seed}",
+        title_justify="left",
+    )
+    for name, justify in (
+        ("algorithm", "left"),
+        ("requests", "right"),
+        ("success", "right"),
+        ("k/req", "right"),
+        ("area med m²", "right"),
+        ("area p95 m²", "right"),
+        ("×nn", "right"),
+        ("p50 µs", "right"),
+        ("p99 µs", "right"),
+        ("cloaks/s", "right"),
+        ("batch/s", "right"),
+        ("prep ms", "right"),
+        ("upd/s", "right"),
+        ("batch upd/s", "right"),
+        ("B/user", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name == "algorithm")  # type: ignore[arg-type]
+    for r in d["results"]:
+        if r.get("error"):
+            table.add_row(r["algorithm"], str(r["requests"]), "[red]error[/red]")
+            continue
+        table.add_row(
+            r["algorithm"],
+            str(r["requests"]),
+            _fmt(r["success_rate"], ".1%"),
+            _fmt(r["achieved_k_mean"], ".2f"),
+            _fmt(r["area_m2_median"], ",.0f"),
+            _fmt(r["area_m2_p95"], ",.0f"),
+            _fmt(r["area_ratio_to_nn"], ".2f"),
+            _fmt(r["cloak_us_p50"], ".1f"),
+            _fmt(r["cloak_us_p99"], ".1f"),
+            _fmt(r["cloaks_per_s"], ",.0f"),
+            _fmt(r["batch_cloaks_per_s"], ",.0f"),
+            _fmt(r.get("prepare_ms"), ".1f"),
+            _fmt(r["updates_per_s"], ",.0f"),
+            _fmt(r["batch_updates_per_s"], ",.0f"),
+            _fmt(r["bytes_per_user"], ".0f"),
+        )
+    out.print(table)
+    for r in d["results"]:
+        if r.get("error"):
+            out.print(f"{r['algorithm']}: {r['error']}", highlight=False, markup=False)
+        refusals = r.get("refusals")
+        if refusals:
+            text = ", ".join(f"{code} {n}" for code, n in refusals.items())
+            out.print(f"{r['algorithm']}: refusals {text}", highlight=False)
