@@ -19,6 +19,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "broker.serve_cli",
     "broker.mosquitto",
     "cloaking.bench_cli",
+    "broker.lbs_cli",
+    "broker.bench_cli",
 )
 
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile
 from broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
 from broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
 from cloaking.cloakers import Refusal, Region, get_cloaker
+from cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
 from cloaking.geometry import haversine_m
 from cloaking.index import IndexView, PositionIndex
 from cloaking.places import PlacesLayer
@@ -114,6 +116,9 @@ class Pipeline:
         if self.algorithm == "privacygrid" and places is not None:
             params["places"] = places
         self.cloaker = get_cloaker(self.algorithm, **params) if self.algorithm in SNAPSHOT_ALGORITHMS else None
+        self.clique: CliqueCloak | None = CliqueCloak() if self.algorithm == "clique" else None
+        self._held: dict[str, asyncio.Future[CliqueRelease | None]] = {}
+        self._hold_wakeup = asyncio.Event()
         self._stored: dict[str, StoredProfile] = dict(profiles.all())
         for user, sp in self._stored.items():
             self.index.set_profile(user, sp.profile)
@@ -377,6 +382,8 @@ class Pipeline:
             return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "continuous queries are not enabled")
         if effective.l > 1 and (self.cloaker is None or not self.cloaker.supports_l):
             return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
+        if self.clique is not None:
+            return await self._hold_clique(q, user, effective, timing)
         if self.cloaker is None:
             return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "this algorithm is not available in the broker")
         fut: asyncio.Future[tuple[Region | Refusal, IndexView | None]] = asyncio.get_running_loop().create_future()
@@ -392,6 +399,80 @@ class Pipeline:
         fix = self.index.fix(user)
         assert fix is not None
         return await self._forward(q, effective, result, fix[0], fix[1], timing)
+
+    async def _hold_clique(
+        self, q: Query, user: str, profile: PrivacyProfile, timing: dict[str, float]
+    ) -> dict[str, Any]:
+        """CliqueCloak (CONCEPTS §4.5, §5.2): hold until a clique of senders forms or the deadline."""
+        assert self.clique is not None
+        if len(self._held) >= self.config.queues.hold:
+            return self._refusal_body(q.query_id, ReasonCode.OVERLOADED, "the hold queue is full")
+        fix = self.index.fix(user)
+        assert fix is not None
+        rid = secrets.token_hex(16)
+        request = CliqueRequest.from_profile(rid, user, fix[0], fix[1], time.monotonic(), profile)
+        fut: asyncio.Future[CliqueRelease | None] = asyncio.get_running_loop().create_future()
+        self._held[rid] = fut
+        started = time.monotonic()
+        for formed in self.clique.submit(request, started):
+            for member in formed.members:
+                waiting = self._held.pop(member.request_id, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(formed)
+        self._hold_wakeup.set()
+        self.metrics.queue_depth.labels(queue="hold").set(len(self._held))
+        try:
+            release = await fut
+        finally:
+            self._held.pop(rid, None)
+            held = time.monotonic() - started
+            timing["hold"] += held
+            self.metrics.hold_seconds.labels(algorithm=self.algorithm).observe(held)
+            self.metrics.queue_depth.labels(queue="hold").set(len(self._held))
+        if release is None:
+            return self._refusal_body(q.query_id, ReasonCode.EXPIRED, "no clique formed within max_delay_s")
+        view = self._fresh_view(self._version)
+        region = Region(
+            bbox=release.bbox,
+            k_achieved=view.count_in(release.bbox),
+            area_m2=release.area_m2,
+            algorithm="clique",
+            epoch=view.epoch,
+        )
+        if region.k_achieved < profile.k:
+            return self._refusal_body(q.query_id, ReasonCode.EXPIRED, "the clique's members are no longer present")
+        now_fix = self.index.fix(user)
+        assert now_fix is not None
+        return await self._forward(q, profile, region, now_fix[0], now_fix[1], timing)
+
+    async def run_housekeeping(self, period_s: float = 60.0) -> None:
+        """Retention of the movement store and the presence gauge (contract §11)."""
+        while True:
+            await asyncio.sleep(period_s)
+            cutoff = self.clock() - self.config.storage.retention_s
+            deleted = await asyncio.to_thread(self.movement.delete_older_than, cutoff)
+            if deleted:
+                log_event(log, "retention", store="movement", deleted=deleted)
+            self.metrics.users_present.set(len(self.index.snapshot(self.clock())))
+
+    async def run_expiry(self) -> None:
+        """Refuse held requests whose deadline passed (one timer for the whole pool, §5.2)."""
+        while True:
+            if self.clique is None:
+                return
+            deadline = self.clique.next_deadline()
+            self._hold_wakeup.clear()
+            if deadline is None:
+                await self._hold_wakeup.wait()
+                continue
+            delay = max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._hold_wakeup.wait()
+            for request in self.clique.expire(time.monotonic()):
+                fut = self._held.pop(request.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
 
     def _fresh_view(self, needed_version: int) -> IndexView:
         now = self.clock()

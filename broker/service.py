@@ -115,6 +115,8 @@ class Broker:
         restored = self.pipeline.restore_positions()
         self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._tasks.append(self._tg.create_task(self.pipeline.run_workers(), name="cloak-worker"))
+        self._tasks.append(self._tg.create_task(self.pipeline.run_expiry(), name="hold-expiry"))
+        self._tasks.append(self._tg.create_task(self.pipeline.run_housekeeping(), name="housekeeping"))
         if cfg.mqtt.mode != "none":
             await self._start_mqtt(data.path)
         self._stack.push_async_callback(self._cancel_tasks)

@@ -164,3 +164,32 @@ async def _settle(data_dir: str, n: int) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("fixes were not stored in time")
+
+
+async def test_clique_holds_until_a_clique_forms_or_expires(tmp_path: Path, spy: SpyUpstream) -> None:
+    """CliqueCloak in the broker: k nearby askers are released together with one shared region;
+    a lone asker is refused ``expired`` after its max_delay_s."""
+    import asyncio
+
+    cfg = broker_config(tmp_path, spy.url, **{"cloaking.algorithm": "clique"})
+    positions = {f"c{i}": (39.9 + i * 0.0003, 116.4 + i * 0.0002) for i in range(5)}
+    positions["far"] = (39.0, 117.5)
+    async with Broker(config=cfg) as b, ClientSession() as http:
+        base = f"http://127.0.0.1:{b.http_port}"
+        now = time.time()
+        ups = [{"user": u, "t": now, "lat": la, "lon": lo} for u, (la, lo) in positions.items()]
+        await http.post(f"{base}/v1/locations", json={"updates": ups})
+
+        async def ask(user: str, i: int, delay: float) -> dict[str, Any]:
+            q = {"query_id": f"q{i}", "kind": "knn", "n": 1, "profile": {"max_delay_s": delay}}
+            r = await http.post(f"{base}/v1/users/{user}/query", json=q)
+            out: dict[str, Any] = await r.json()
+            return out
+
+        answers = await asyncio.gather(*(ask(f"c{i}", i, 5.0) for i in range(5)), ask("far", 9, 0.5))
+    *group, lone = answers
+    assert [a["status"] for a in group] == ["ok"] * 5, group
+    assert len({tuple(a["region"]["bbox"]) for a in group}) == 1
+    assert all(a["k_achieved"] >= 5 for a in group)
+    assert lone["status"] == "refused" and lone["reason"] == "expired"
+    assert len(spy.requests) == 5

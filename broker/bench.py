@@ -1,0 +1,472 @@
+"""``kcloak bench broker``: sustained intake and query rates, and the latency the broker adds.
+
+The broker runs as a real ``kcloak serve`` process; the MQTT broker is a spawned mosquitto
+(when on PATH) or the embedded one; the upstream is an instant in-process provider. Load comes
+from separate client processes so that the client is not the bottleneck on the broker's
+process. Rates are read from the broker's own counters (``/metrics``), so they count what the
+broker accepted and answered, not what clients managed to send. Added latency comes from the
+broker's ``kcloak_added_latency_seconds`` histogram (receipt → answer, minus upstream and hold
+time), interpolated within buckets, at half the sustained query rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, TCPConnector, web
+
+from broker.mqtt import free_port
+
+CENTRE = (39.9, 116.4)
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerBenchConfig:
+    duration_s: float = 10.0
+    users: int = 10_000
+    mqtt: str | None = None  # None: mosquitto if on PATH, else embedded
+    algorithm: str = "hilbert"
+    client_processes: int = 2
+
+
+def _positions(users: int, seed: int) -> list[tuple[str, float, float]]:
+    rnd = random.Random(seed)
+    return [(f"b{i:06d}", CENTRE[0] + rnd.gauss(0, 0.03), CENTRE[1] + rnd.gauss(0, 0.04)) for i in range(users)]
+
+
+# -- metrics scraping ------------------------------------------------------------------------------
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _sum(metrics: dict[str, float], prefix: str, *needles: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(prefix) and all(n in k for n in needles))
+
+
+def histogram_quantile(before: dict[str, float], after: dict[str, float], transport: str, q: float) -> float | None:
+    """Quantile (seconds) of ``kcloak_added_latency_seconds`` between two scrapes, linear in buckets."""
+    prefix = "kcloak_added_latency_seconds_bucket"
+    buckets: list[tuple[float, float]] = []
+    for key, value in after.items():
+        if key.startswith(prefix) and f'transport="{transport}"' in key:
+            le = key.split('le="')[1].split('"')[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets.append((bound, value - before.get(key, 0.0)))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    target = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= target:
+            if bound == float("inf"):
+                return prev_bound
+            span = count - prev_count
+            frac = 0.0 if span <= 0 else (target - prev_count) / span
+            return prev_bound + frac * (bound - prev_bound)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+# -- processes -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def instant_upstream() -> Iterator[str]:
+    """An instant provider in a thread of this process (answers ``{"candidates": []}``)."""
+    import threading
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    runner_box: list[web.AppRunner] = []
+
+    async def search(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"candidates": []})
+
+    async def start() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/search", search)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner_box.append(runner)
+        ready.set()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ready.wait(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if runner_box:
+            asyncio.run_coroutine_threadsafe(runner_box[0].cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def mosquitto(workdir: Path) -> Iterator[tuple[int, str]]:
+    exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    if exe is None:
+        raise FileNotFoundError("mosquitto")
+    port = free_port()
+    conf = workdir / "mosquitto.conf"
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", "max_queued_messages 100000", "persistence false"]
+    if os.getuid() == 0:
+        lines.append("user root")
+    conf.write_text("\n".join(lines) + "\n")
+    version = subprocess.run([exe, "-h"], capture_output=True, text=True).stdout.splitlines()
+    label = version[0].strip() if version else "mosquitto"
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port)
+        yield port, label
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def _wait_port(port: int, timeout: float = 15.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open")
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    cmd = [sys.executable, "-m", "broker.cli", "serve", *args, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_healthy(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError("the broker did not become healthy")
+
+
+# -- load generators (run in child processes) ------------------------------------------------------
+def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
+    import paho.mqtt.client as paho
+
+    client = paho.Client(
+        paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
+        client_id=f"bench-{os.getpid()}",
+    )
+    client.max_inflight_messages_set(1000)
+    client.max_queued_messages_set(0)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    end = time.monotonic() + duration_s
+    i = 0
+    n = len(users)
+    while time.monotonic() < end:
+        user, lat, lon = users[i % n]
+        payload = json.dumps({"t": time.time(), "lat": lat, "lon": lon})
+        info = client.publish(f"kcloak/v1/update/{user}", payload, qos=1)
+        i += 1
+        if i % 500 == 0:
+            info.wait_for_publish(5)
+    client.loop_stop()
+    client.disconnect()
+
+
+def _http_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
+    async def main() -> None:
+        end = time.monotonic() + duration_s
+        async with ClientSession(connector=TCPConnector(limit=64)) as http:
+
+            async def loop(offset: int) -> None:
+                i = offset
+                while time.monotonic() < end:
+                    user, lat, lon = users[i % len(users)]
+                    i += 64
+                    body = {"t": time.time(), "lat": lat, "lon": lon}
+                    async with http.post(f"http://127.0.0.1:{port}/v1/users/{user}/location", json=body) as r:
+                        await r.read()
+
+            await asyncio.gather(*(loop(j) for j in range(64)))
+
+    asyncio.run(main())
+
+
+def _http_query_worker(
+    port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
+) -> None:
+    async def main() -> None:
+        end = time.monotonic() + duration_s
+        async with ClientSession(connector=TCPConnector(limit=128)) as http:
+            counter = [0]
+
+            async def one() -> None:
+                counter[0] += 1
+                user = users[counter[0] % len(users)][0]
+                q = {"query_id": f"{tag}-{os.getpid()}-{counter[0]}", "kind": "knn", "n": 3}
+                async with http.post(f"http://127.0.0.1:{port}/v1/users/{user}/query", json=q) as r:
+                    await r.read()
+
+            if rate is None:
+
+                async def loop() -> None:
+                    while time.monotonic() < end:
+                        await one()
+
+                await asyncio.gather(*(loop() for _ in range(64)))
+            else:
+                tasks = set()
+                start = time.monotonic()
+                sent = 0
+                while time.monotonic() < end:
+                    due = start + sent / rate
+                    delay = due - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    t = asyncio.create_task(one())
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+                    sent += 1
+                if tasks:
+                    await asyncio.wait(tasks, timeout=10)
+
+    asyncio.run(main())
+
+
+def _mqtt_query_worker(
+    port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
+) -> None:
+    import threading
+
+    import paho.mqtt.client as paho
+
+    window = threading.Semaphore(256)
+    client = paho.Client(
+        paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
+        client_id=f"benchq-{os.getpid()}",
+    )
+    client.on_message = lambda *_: window.release()
+    client.connect("127.0.0.1", port)
+    client.subscribe("kcloak/v1/answer/+", qos=1)
+    client.loop_start()
+    time.sleep(0.3)
+    end = time.monotonic() + duration_s
+    start = time.monotonic()
+    i = 0
+    while time.monotonic() < end:
+        if rate is not None:
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        elif not window.acquire(timeout=1):
+            continue
+        user = users[i % len(users)][0]
+        q = {"query_id": f"{tag}-{os.getpid()}-{i}", "kind": "knn", "n": 3}
+        client.publish(f"kcloak/v1/query/{user}", json.dumps(q), qos=1)
+        i += 1
+    time.sleep(1)
+    client.loop_stop()
+    client.disconnect()
+
+
+def _run_workers(target: Any, args_for: list[tuple[Any, ...]]) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_for]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    return [items[i::parts] for i in range(parts)]
+
+
+# -- phases ----------------------------------------------------------------------------------------
+def _measure(http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, *needles: str) -> float:
+    """Run workers; return the broker-side rate of ``metric`` over the middle of the run."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_for]
+    for p in procs:
+        p.start()
+    duration = args_for[0][2]
+    warm = min(1.0, duration / 5)
+    time.sleep(warm)
+    m0, t0 = scrape(http_port), time.monotonic()
+    time.sleep(max(duration - 2 * warm, 0.5))
+    m1, t1 = scrape(http_port), time.monotonic()
+    for p in procs:
+        p.join()
+    return (_sum(m1, metric, *needles) - _sum(m0, metric, *needles)) / (t1 - t0)
+
+
+def _quiesce(http_port: int, timeout_s: float = 60.0) -> None:
+    """Wait until the broker has drained its backlog (its message counters stop moving)."""
+    deadline = time.monotonic() + timeout_s
+    last = -1.0
+    while time.monotonic() < deadline:
+        m = scrape(http_port)
+        now = _sum(m, "kcloak_updates_") + _sum(m, "kcloak_queries_total") + _sum(m, "kcloak_messages_dropped")
+        if now == last:
+            return
+        last = now
+        time.sleep(0.5)
+
+
+def _preload(http_port: int, users: list[tuple[str, float, float]]) -> None:
+    now = time.time()
+    for chunk in range(0, len(users), 5000):
+        items = [{"user": u, "t": now, "lat": la, "lon": lo} for u, la, lo in users[chunk : chunk + 5000]]
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/locations",
+            data=json.dumps({"updates": items}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+
+def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, Any]:
+    """Run every phase; returns the contract's ``{"bench": "broker", "results": [...]}``."""
+    say = log or (lambda *_: None)
+    users = _positions(cfg.users, seed=1)
+    parts = max(1, cfg.client_processes)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kcloak-bench-") as tmp, instant_upstream() as upstream:
+        workdir = Path(tmp)
+        stack = contextlib.ExitStack()
+        with stack:
+            mode = cfg.mqtt
+            label = "embedded"
+            mqtt_port = free_port()
+            if mode is None or mode == "mosquitto":
+                try:
+                    mqtt_port, label = stack.enter_context(mosquitto(workdir))
+                    mode = f"mqtt://127.0.0.1:{mqtt_port}"
+                except FileNotFoundError:
+                    mode = "embedded"
+            elif mode.startswith("mqtt://"):
+                label = mode
+                mqtt_port = int(mode.rsplit(":", 1)[1])
+            http_port = free_port()
+            args = [
+                "--http",
+                f"127.0.0.1:{http_port}",
+                "--upstream",
+                upstream,
+                "--data-dir",
+                str(workdir / "data"),
+                "--algorithm",
+                cfg.algorithm,
+            ]
+            if mode == "embedded":
+                args += ["--mqtt", "embedded", "--mqtt-listen", f"127.0.0.1:{mqtt_port}"]
+            else:
+                args += ["--mqtt", mode, "--mqtt-ingest-connections", "2"]
+            stack.enter_context(serve_process(args))
+            _wait_healthy(http_port)
+            d = cfg.duration_s
+            say("mqtt updates")
+            mqtt_updates = _measure(
+                http_port,
+                _mqtt_update_worker,
+                [(mqtt_port, part, d) for part in _split(users, parts)],
+                "kcloak_updates_accepted_total",
+                'transport="mqtt"',
+            )
+            _quiesce(http_port)
+            say("http updates")
+            http_updates = _measure(
+                http_port,
+                _http_update_worker,
+                [(http_port, part, d) for part in _split(users, parts)],
+                "kcloak_updates_accepted_total",
+                'transport="http"',
+            )
+            _preload(http_port, users)
+            for transport, worker, port in (
+                ("mqtt", _mqtt_query_worker, mqtt_port),
+                ("http", _http_query_worker, http_port),
+            ):
+                _quiesce(http_port)
+                _preload(http_port, users)
+                say(f"{transport} queries")
+                qps = _measure(
+                    http_port,
+                    worker,
+                    [(port, part, d, None, f"max{i}") for i, part in enumerate(_split(users, parts))],
+                    "kcloak_queries_total",
+                    f'transport="{transport}"',
+                )
+                _quiesce(http_port)
+                _preload(http_port, users)
+                say(f"{transport} latency at {qps / 2:.0f} queries/s")
+                before = scrape(http_port)
+                if qps > 0:
+                    _run_workers(
+                        worker,
+                        [(port, part, d, qps / 2 / parts, f"lat{i}") for i, part in enumerate(_split(users, parts))],
+                    )
+                    _quiesce(http_port)
+                after = scrape(http_port)
+                p50 = histogram_quantile(before, after, transport, 0.5)
+                p99 = histogram_quantile(before, after, transport, 0.99)
+                rows.append(
+                    {
+                        "transport": transport,
+                        "mqtt": label,
+                        "users": cfg.users,
+                        "updates_per_s": round(mqtt_updates if transport == "mqtt" else http_updates, 1),
+                        "queries_per_s": round(qps, 1),
+                        "latency_at_qps": round(qps / 2, 1),
+                        "added_latency_ms_p50": None if p50 is None else round(p50 * 1000, 3),
+                        "added_latency_ms_p99": None if p99 is None else round(p99 * 1000, 3),
+                    }
+                )
+    return {"bench": "broker", "algorithm": cfg.algorithm, "duration_s": cfg.duration_s, "results": rows}
