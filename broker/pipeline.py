@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.config import Config
+from broker.history import RecentFixes
 from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.ratelimit import DedupWindow, TokenBuckets
@@ -33,6 +34,7 @@ from cloaking.geometry import haversine_m
 from cloaking.index import IndexView, PositionIndex
 from cloaking.places import PlacesLayer
 from cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
+from cloaking.temporal import temporal_cell, temporal_window
 
 log = logging.getLogger("kcloak.pipeline")
 
@@ -117,6 +119,10 @@ class Pipeline:
             params["places"] = places
         self.cloaker = get_cloaker(self.algorithm, **params) if self.algorithm in SNAPSHOT_ALGORITHMS else None
         self.clique: CliqueCloak | None = CliqueCloak() if self.algorithm == "clique" else None
+        self.history: RecentFixes | None = None
+        if self.algorithm == "temporal":
+            self.history = RecentFixes(config.cloaking.temporal_lookback_s + 600.0 + config.cloaking.max_update_age_s)
+        self._temporal_held = 0
         self._held: dict[str, asyncio.Future[CliqueRelease | None]] = {}
         self._hold_wakeup = asyncio.Event()
         self._stored: dict[str, StoredProfile] = dict(profiles.all())
@@ -150,6 +156,9 @@ class Pipeline:
             self.index.update(user, lat, lon, t)
             self._last_t[user] = t
             n += 1
+        if self.history is not None:
+            for user, t, lat, lon in self.movement.fixes_between(self.clock() - self.history.keep_s, math.inf):
+                self.history.append(user, t, lat, lon)
         self._version += 1
         return n
 
@@ -208,6 +217,8 @@ class Pipeline:
             for _, user, fix in accepted:
                 self.index.update(user, fix.lat, fix.lon, fix.t)
                 self._user_version[user] = self._version
+                if self.history is not None:
+                    self.history.append(user, fix.t, fix.lat, fix.lon)
         for outcome in result.codes:
             if outcome is None:
                 self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
@@ -380,6 +391,8 @@ class Pipeline:
             return self._refusal_body(qid, ReasonCode.STALE_POSITION, "no present position for this user")
         if q.continuous:
             return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "continuous queries are not enabled")
+        if self.history is not None:
+            return await self._hold_temporal(q, user, effective, timing)
         if effective.l > 1 and (self.cloaker is None or not self.cloaker.supports_l):
             return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
         if self.clique is not None:
@@ -445,12 +458,78 @@ class Pipeline:
         assert now_fix is not None
         return await self._forward(q, profile, region, now_fix[0], now_fix[1], timing)
 
+    async def _hold_temporal(
+        self, q: Query, user: str, profile: PrivacyProfile, timing: dict[str, float]
+    ) -> dict[str, Any]:
+        """Gruteser–Grunwald temporal cloaking (CONCEPTS §5.1, §5.2): hold the query until k distinct
+        users had a fix inside its cell during [t_start, t_end], forward at ``t_end``, or expire."""
+        assert self.history is not None
+        if profile.l > 1:
+            return self._refusal_body(q.query_id, ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
+        if self._temporal_held >= self.config.queues.hold:
+            return self._refusal_body(q.query_id, ReasonCode.OVERLOADED, "the hold queue is full")
+        fix = self.index.fix(user)
+        assert fix is not None
+        lat, lon, t_fix = fix
+        cfg = self.config.cloaking
+        cell = temporal_cell(lat, lon, max_area_m2=profile.max_area_m2, min_area_m2=profile.min_area_m2)
+        if isinstance(cell, Refusal):
+            return self._refusal_body(q.query_id, cell.reason, cell.message)
+        started = time.monotonic()
+        deadline = started + profile.max_delay_s
+        self._temporal_held += 1
+        self.metrics.queue_depth.labels(queue="hold").set(self._temporal_held)
+        try:
+            while True:
+                window = temporal_window(
+                    self.history, cell.bbox, t_fix, profile.k, lookback_s=cfg.temporal_lookback_s, until=self.clock()
+                )
+                if window.t_end is not None:
+                    wait = window.t_end - self.clock()
+                    if time.monotonic() + max(wait, 0.0) > deadline:
+                        break
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    final = temporal_window(
+                        self.history,
+                        cell.bbox,
+                        t_fix,
+                        profile.k,
+                        lookback_s=cfg.temporal_lookback_s,
+                        until=window.t_end,
+                    )
+                    region = Region(
+                        bbox=cell.bbox,
+                        k_achieved=final.k_achieved,
+                        area_m2=cell.area_m2,
+                        algorithm="temporal",
+                        t_start=final.t_start,
+                        t_end=final.t_end,
+                    )
+                    held = time.monotonic() - started
+                    timing["hold"] += held
+                    self.metrics.hold_seconds.labels(algorithm="temporal").observe(held)
+                    return await self._forward(q, profile, region, lat, lon, timing)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await asyncio.sleep(min(0.25, remaining))
+        finally:
+            self._temporal_held -= 1
+            self.metrics.queue_depth.labels(queue="hold").set(self._temporal_held)
+        held = time.monotonic() - started
+        timing["hold"] += held
+        self.metrics.hold_seconds.labels(algorithm="temporal").observe(held)
+        return self._refusal_body(q.query_id, ReasonCode.EXPIRED, "fewer than k users visited the region in time")
+
     async def run_housekeeping(self, period_s: float = 60.0) -> None:
         """Retention of the movement store and the presence gauge (contract §11)."""
         while True:
             await asyncio.sleep(period_s)
             cutoff = self.clock() - self.config.storage.retention_s
             deleted = await asyncio.to_thread(self.movement.delete_older_than, cutoff)
+            if self.history is not None:
+                self.history.prune(self.clock())
             if deleted:
                 log_event(log, "retention", store="movement", deleted=deleted)
             self.metrics.users_present.set(len(self.index.snapshot(self.clock())))

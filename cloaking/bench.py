@@ -261,9 +261,15 @@ def snapshot_population(
 
 
 # -- profiles and requests --------------------------------------------------------------------
-def k_levels(k: int) -> tuple[int, int, int]:
-    """The three stored-k values around ``k``: ⌈k/2⌉, k, min(1000, ⌊3k/2⌋)."""
-    return max(1, (k + 1) // 2), k, min(1000, (3 * k) // 2)
+DEFAULT_K_SPREAD = 0.5
+
+
+def k_levels(k: int, spread: float = DEFAULT_K_SPREAD) -> tuple[int, int, int]:
+    """The three stored-k values around ``k``: k·(1 − spread), k, k·(1 + spread), rounded inward
+    (the default spread 0.5 gives ⌈k/2⌉, k, ⌊3k/2⌋; 0 makes every user ask for k)."""
+    lo = max(1, k - int(k * spread))
+    hi = min(1000, k + int(k * spread))
+    return lo, k, hi
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -288,11 +294,13 @@ class Workload:
         return ProfileArrays.from_profiles(self.profile_list())
 
 
-def make_workload(n_users: int, *, k: int, requests: int, max_area_m2: float, seed: int) -> Workload:
+def make_workload(
+    n_users: int, *, k: int, requests: int, max_area_m2: float, seed: int, k_spread: float = DEFAULT_K_SPREAD
+) -> Workload:
     """Stored k personalized around ``k`` (:data:`K_LEVEL_WEIGHTS`), ``min_area_m2`` 0, ``max_area_m2``
     as given; queriers drawn uniformly with replacement. Seeded, independent of the algorithms run.
     """
-    levels = k_levels(k)
+    levels = k_levels(k, k_spread)
     rng = np.random.default_rng([seed, 3])
     stored = np.asarray(levels, np.int64)[rng.choice(3, size=n_users, p=K_LEVEL_WEIGHTS)]
     profiles = {lv: PrivacyProfile(k=lv, max_area_m2=max_area_m2) for lv in set(levels)}
@@ -465,6 +473,7 @@ class CloakBenchConfig:
     seed: int = 0
     time_limit_s: float = 300.0
     clique_queries_per_user_min: float = CLIQUE_QUERIES_PER_USER_MIN
+    k_spread: float = DEFAULT_K_SPREAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,7 +491,7 @@ class CloakBenchReport:
         instant and window for a trace), ``profiles``, ``area_reference``, ``index``, ``machine``.
         """
         c = self.config
-        levels = k_levels(c.k)
+        levels = k_levels(c.k, c.k_spread)
         return {
             "bench": "cloak",
             "results": [r.to_dict() for r in self.rows],
@@ -549,7 +558,14 @@ def run_cloak_bench(pop: Population, config: CloakBenchConfig, *, progress: Prog
     n = len(pop)
     if n < 1:
         raise BenchError("population: no users")
-    work = make_workload(n, k=config.k, requests=config.requests, max_area_m2=config.max_area_m2, seed=config.seed)
+    work = make_workload(
+        n,
+        k=config.k,
+        requests=config.requests,
+        max_area_m2=config.max_area_m2,
+        seed=config.seed,
+        k_spread=config.k_spread,
+    )
     classes: dict[str, type[Any] | str] = {}
     for name in config.algorithms:
         try:

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from broker.cli import UsageError
 from cloaking.bench import (
+    DEFAULT_K_SPREAD,
     K_LEVEL_WEIGHTS,
     BenchError,
     CloakBenchConfig,
@@ -99,6 +100,13 @@ def add_parser(subparsers: SubParsers) -> None:
     )
     p.add_argument("--k", type=int, default=10, metavar="K", help="central k of the stored profiles (10)")
     p.add_argument(
+        "--k-spread",
+        type=float,
+        default=DEFAULT_K_SPREAD,
+        metavar="F",
+        help="stored k is K·(1−F), K or K·(1+F) (0.25/0.5/0.25); 0 = every user asks for K (0.5)",
+    )
+    p.add_argument(
         "--algorithms",
         default=",".join(SPATIAL_ALGORITHMS),
         metavar="A,B",
@@ -142,6 +150,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
     if not 1 <= args.k <= 1000:
         raise UsageError("--k: must be within [1, 1000]")
+    if not 0 <= args.k_spread < 1:
+        raise UsageError("--k-spread: must be within [0, 1)")
     if args.requests < 1:
         raise UsageError("--requests: must be at least 1")
     if not (math.isfinite(args.max_area_m2) and 0 < args.max_area_m2 <= MAX_AREA_CAP_M2):
@@ -164,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
         max_area_m2=args.max_area_m2,
         seed=seed,
         time_limit_s=args.time_limit_s,
+        k_spread=args.k_spread,
     )
 
 
@@ -249,7 +260,7 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
     )
     c = report.config
     table = Table(
-        title=f"bench cloak — {where}; k ≈ {c.k} ({'/'.join(map(str, k_levels(c.k)))}), "
+        title=f"bench cloak — {where}; k ≈ {c.k} ({'/'.join(map(str, k_levels(c.k, c.k_spread)))}), "
         f"max area {c.max_area_m2:,.0f} m², seed {c.seed}",
         title_justify="left",
     )

@@ -193,3 +193,37 @@ async def test_clique_holds_until_a_clique_forms_or_expires(tmp_path: Path, spy:
     assert all(a["k_achieved"] >= 5 for a in group)
     assert lone["status"] == "refused" and lone["reason"] == "expired"
     assert len(spy.requests) == 5
+
+
+async def test_temporal_holds_until_k_users_visited_the_cell(tmp_path: Path, spy: SpyUpstream) -> None:
+    """Temporal cloaking in the broker: the query waits until k distinct users had a fix in its
+    cell, is forwarded with an integer [t_start, t_end] around the querier's fix, or expires."""
+    import asyncio
+
+    cfg = broker_config(tmp_path, spy.url, **{"cloaking.algorithm": "temporal", "profile.k": 3})
+    async with Broker(config=cfg) as b, ClientSession() as http:
+        base = f"http://127.0.0.1:{b.http_port}"
+        t0 = time.time()
+        await http.post(f"{base}/v1/users/q/location", json={"t": t0, "lat": 39.9, "lon": 116.4})
+
+        async def visitors() -> None:
+            await asyncio.sleep(0.6)
+            for i, user in enumerate(("v1", "v2")):
+                fix = {"t": time.time(), "lat": 39.9 + 1e-4 * (i + 1), "lon": 116.4}
+                await http.post(f"{base}/v1/users/{user}/location", json=fix)
+
+        query = {"query_id": "t1", "kind": "range", "radius_m": 500, "profile": {"max_delay_s": 10}}
+        r, _ = await asyncio.gather(http.post(f"{base}/v1/users/q/query", json=query), visitors())
+        answer = await r.json()
+        lone = {"query_id": "t2", "kind": "knn", "n": 1, "profile": {"max_delay_s": 1.0}}
+        await http.post(f"{base}/v1/users/far/location", json={"t": time.time(), "lat": 10.0, "lon": 10.0})
+        r2 = await http.post(f"{base}/v1/users/far/query", json=lone)
+        expired = await r2.json()
+    assert answer["status"] == "ok", answer
+    region = answer["region"]
+    assert set(region) == {"bbox", "t_start", "t_end"}
+    assert region["t_start"] <= t0 <= region["t_end"] and answer["k_achieved"] >= 3
+    assert isinstance(region["t_start"], int) and isinstance(region["t_end"], int)
+    assert region["t_start"] >= t0 - 300
+    assert spy.requests[-1]["region"] == region
+    assert expired["status"] == "refused" and expired["reason"] == "expired"
