@@ -210,6 +210,8 @@ def expand_to_area(box: BBox, min_area_m2: float) -> BBox | None:
     for _ in range(64):
         half_w = math.degrees(w2 / (EARTH_RADIUS_M * coslat)) / 2
         half_h = math.degrees(h2 / EARTH_RADIUS_M) / 2
+        if half_w >= 180.0:  # near a pole: take every longitude and grow in latitude only
+            return _full_width_band(box, clat, min_area_m2)
         n_lon0 = min(math.floor((clon - half_w) * UDEG_PER_DEG), box.min_lon_udeg)
         n_lon1 = max(math.ceil((clon + half_w) * UDEG_PER_DEG), box.max_lon_udeg)
         n_lat0 = min(math.floor((clat - half_h) * UDEG_PER_DEG), box.min_lat_udeg)
@@ -222,6 +224,30 @@ def expand_to_area(box: BBox, min_area_m2: float) -> BBox | None:
             return grown
         w2 *= 1.001
         h2 *= 1.001
+    return None
+
+
+def _full_width_band(box: BBox, clat: float, min_area_m2: float) -> BBox | None:
+    """A band over all longitudes around ``clat`` holding ``box``, of area ≥ ``min_area_m2``."""
+    need = min_area_m2 / (EARTH_RADIUS_M * EARTH_RADIUS_M * 2 * math.pi)  # |Δ sin(lat)| required
+    if need > 2:
+        return None
+    s0 = math.sin(math.radians(clat))
+    lo, hi = s0 - need / 2, s0 + need / 2
+    if hi > 1:
+        lo, hi = lo - (hi - 1), 1.0
+    if lo < -1:
+        lo, hi = -1.0, hi + (-1 - lo)
+    lat0 = min(math.floor(math.degrees(math.asin(max(-1.0, lo))) * UDEG_PER_DEG), box.min_lat_udeg)
+    lat1 = max(math.ceil(math.degrees(math.asin(min(1.0, hi))) * UDEG_PER_DEG), box.max_lat_udeg)
+    for _ in range(64):
+        band = BBox(-WORLD_LON_UDEG, max(lat0, -WORLD_LAT_UDEG), WORLD_LON_UDEG, min(lat1, WORLD_LAT_UDEG))
+        if band.area_m2 >= min_area_m2:
+            return band
+        if band.min_lat_udeg == -WORLD_LAT_UDEG and band.max_lat_udeg == WORLD_LAT_UDEG:
+            return None
+        lat0 -= 1000
+        lat1 += 1000
     return None
 
 
