@@ -211,10 +211,10 @@ def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], durati
     while time.monotonic() < end:
         user, lat, lon = users[i % n]
         payload = json.dumps({"t": time.time(), "lat": lat, "lon": lon})
-        info = client.publish(f"kcloak/v1/update/{user}", payload, qos=1)
+        client.publish(f"kcloak/v1/update/{user}", payload, qos=0)
         i += 1
-        if i % 500 == 0:
-            info.wait_for_publish(5)
+        if i % 1000 == 0:
+            time.sleep(0.001)  # let paho's network thread drain its queue
     client.loop_stop()
     client.disconnect()
 

@@ -26,6 +26,7 @@ import aiomqtt
 from broker import __version__
 from broker.config import Config, parse_listen
 from broker.logs import log_event
+from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError
 from broker.pipeline import Duplicate, Pipeline, QueryRejected
 from broker.validation import MalformedJson, parse_json_object, valid_user_id
 from cloaking.profile import ProfileError
@@ -123,6 +124,8 @@ class MqttDoor:
         self._publish_ready = asyncio.Event()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._pending_fixes: list[tuple[str, Any]] = []
+        self._flush_scheduled = False
         self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
         if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
             log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
@@ -197,16 +200,20 @@ class MqttDoor:
     async def _intake_loop(self, i: int) -> None:
         backoff = 0.2
         share = self.connections > 1
+        filters = [f"$share/kcloak/{ROOT}{t}/+" if share else f"{ROOT}{t}/+" for t in TOPICS]
         while True:
+            conn = IntakeConnection(
+                host=self.host,
+                port=self.port,
+                username=self.username,
+                password=self.password,
+                filters=filters,
+                on_messages=self._dispatch_batch,
+                max_packet=self.config.limits.batch_bytes + 64 * 1024,
+            )
             try:
-                async with self._client(f"in{i}") as client:
-                    for topic in TOPICS:
-                        flt = f"{ROOT}{topic}/+"
-                        await client.subscribe(f"$share/kcloak/{flt}" if share else flt, qos=1)
-                    backoff = 0.2
-                    async for message in client.messages:
-                        self._dispatch(message)
-            except aiomqtt.MqttError:
+                await conn.run()
+            except MqttIntakeError:
                 log_event(log, "mqtt_disconnected", logging.WARNING, connection="intake")
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -227,21 +234,21 @@ class MqttDoor:
     def _drop(self, topic: str, reason: str) -> None:
         self.metrics.messages_dropped.labels(transport="mqtt", topic=topic, reason=reason).inc()
 
-    def _dispatch(self, message: aiomqtt.Message) -> None:
-        parts = message.topic.value.split("/")
+    def _dispatch_batch(self, messages: list[Incoming]) -> None:
+        for m in messages:
+            self._dispatch(m.topic, m.payload, m.retain)
+
+    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> None:
+        parts = topic.split("/")
         if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in TOPICS:
             return
         kind, user = parts[2], parts[3]
         self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
-        if message.retain:
+        if retain:
             self._drop(kind, "retained")
             return
         if not valid_user_id(user):
             self._drop(kind, "invalid")
-            return
-        payload = message.payload
-        if not isinstance(payload, (bytes, bytearray)):
-            self._drop(kind, "malformed_json")
             return
         limit = self.config.limits.batch_bytes if kind == "updates" else self.config.limits.body_bytes
         if len(payload) > limit:
@@ -251,12 +258,19 @@ class MqttDoor:
             self._drop(kind, "overloaded")
             return
         try:
-            obj = parse_json_object(bytes(payload))
+            obj = parse_json_object(payload)
         except MalformedJson:
             self._drop(kind, "malformed_json")
             return
+        if kind == "update":
+            # Single fixes are gathered over one loop iteration and stored in one write (they keep
+            # their arrival order, so per-user ordering rules apply as if handled one by one).
+            self._pending_fixes.append((user, obj))
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_fixes)
+            return
         handler = {
-            "update": self._on_update,
             "updates": self._on_updates,
             "profile": self._on_profile,
             "query": self._on_query,
@@ -272,8 +286,18 @@ class MqttDoor:
         if not task.cancelled() and task.exception() is not None:
             log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(task.exception()).__name__)
 
-    async def _on_update(self, user: str, obj: dict[str, Any]) -> None:
-        await self.pipeline.submit_fixes("mqtt", [(user, obj)])
+    def _flush_fixes(self) -> None:
+        self._flush_scheduled = False
+        items, self._pending_fixes = self._pending_fixes, []
+        if not items:
+            return
+        self._inflight += 1
+        task = asyncio.create_task(self._store_fixes(items))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _store_fixes(self, items: list[tuple[str, Any]]) -> None:
+        await self.pipeline.submit_fixes("mqtt", items)
 
     async def _on_updates(self, user: str, obj: dict[str, Any]) -> None:
         updates = obj.get("updates")

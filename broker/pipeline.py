@@ -219,11 +219,13 @@ class Pipeline:
                 self._user_version[user] = self._version
                 if self.history is not None:
                     self.history.append(user, fix.t, fix.lat, fix.lon)
-        for outcome in result.codes:
-            if outcome is None:
-                self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
-            else:
-                self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
+        n_ok = sum(1 for outcome in result.codes if outcome is None)
+        if n_ok:
+            self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)
+        if n_ok != len(result.codes):
+            for outcome in result.codes:
+                if outcome is not None:
+                    self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
         self.metrics.users_indexed.set(len(self.index))
         return result
 

@@ -1,0 +1,76 @@
+"""The MQTT door: bad input is dropped and counted, never fatal; batches and profiles work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiomqtt
+
+from broker.service import Broker
+from tests.broker.conftest import SpyUpstream, broker_config
+
+
+def _count(text: str, prefix: str, *needles: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and all(n in line for n in needles)
+    )
+
+
+async def test_bad_messages_are_dropped_and_counted(tmp_path: Path, spy: SpyUpstream, mqtt_port: int) -> None:
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    async with Broker(config=cfg) as b, aiomqtt.Client("127.0.0.1", mqtt_port) as c:
+        await c.subscribe("kcloak/v1/status/alice", qos=1)
+        now = time.time()
+        fix = json.dumps({"t": now, "lat": 39.9, "lon": 116.4})
+        await c.publish("kcloak/v1/update/alice", b"{not json", qos=1)
+        await c.publish("kcloak/v1/update/bad$user", fix, qos=1)
+        await c.publish(
+            "kcloak/v1/update/alice", b'{"t": 1, "lat": 1, "lon": 1, "pad": "' + b"x" * 70_000 + b'"}', qos=1
+        )
+        await c.publish("kcloak/v1/update/alice", json.dumps({"t": now, "lat": 95, "lon": 0}), qos=1)
+        await c.publish("kcloak/v1/update/alice", fix, qos=1)
+        batch = {"updates": [{"t": now + 0.1 * i, "lat": 39.9, "lon": 116.4, "user": f"g{i}"} for i in range(50)]}
+        await c.publish("kcloak/v1/updates/gateway", json.dumps(batch), qos=1)
+        await c.publish("kcloak/v1/profile/alice", json.dumps({"request_id": "p1", "profile": {"k": 8}}), qos=1)
+        async with asyncio.timeout(5):
+            async for m in c.messages:
+                assert isinstance(m.payload, bytes)
+                status = json.loads(m.payload)
+                break
+        for _ in range(50):
+            text = b.metrics.render().decode()
+            if _count(text, "kcloak_updates_accepted_total") >= 51:
+                break
+            await asyncio.sleep(0.05)
+    assert status["kind"] == "profile" and status["status"] == "ok" and status["profile"]["k"] == 8
+    assert status["request_id"] == "p1"
+    dropped = "kcloak_messages_dropped_total"
+    assert _count(text, dropped, 'reason="malformed_json"') == 1
+    assert _count(text, dropped, 'reason="invalid"') == 1
+    assert _count(text, dropped, 'reason="too_large"') == 1
+    assert _count(text, "kcloak_updates_rejected_total", 'reason="invalid"') == 1
+    assert _count(text, "kcloak_updates_accepted_total") == 51
+
+
+async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path, spy: SpyUpstream) -> None:
+    """A retained fix left on the MQTT broker would replay at every restart: it is dropped."""
+    from broker.bench import mosquitto
+
+    with mosquitto(tmp_path) as (port, _):
+        async with aiomqtt.Client("127.0.0.1", port) as c:
+            fix = json.dumps({"t": time.time(), "lat": 39.9, "lon": 116.4})
+            await c.publish("kcloak/v1/update/alice", fix, qos=1, retain=True)
+        cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": f"mqtt://127.0.0.1:{port}"})
+        async with Broker(config=cfg) as b:
+            for _ in range(50):
+                text = b.metrics.render().decode()
+                if _count(text, "kcloak_messages_dropped_total", 'reason="retained"'):
+                    break
+                await asyncio.sleep(0.05)
+    assert _count(text, "kcloak_messages_dropped_total", 'reason="retained"', 'topic="update"') == 1
+    assert _count(text, "kcloak_updates_accepted_total") == 0
