@@ -16,7 +16,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,7 @@ class Pipeline:
         self._epoch = 0
         self._cloak_queue: asyncio.Queue[_CloakJob] = asyncio.Queue(maxsize=config.queues.cloak)
         self._inflight: set[asyncio.Task[QueryOutcome]] = set()
+        self._bg_tasks: set[asyncio.Task[None]] = set()
         self.closing = False
         for name in ("ingest", "cloak", "hold", "upstream", "store"):
             metrics.queue_capacity.labels(queue=name).set(getattr(config.queues, name))
@@ -171,6 +172,16 @@ class Pipeline:
                 jobs.append(self._cloak_queue.get_nowait())
             self._cloak_jobs(jobs)
 
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._bg_tasks.add(task)
+        task.add_done_callback(self._bg_done)
+
+    def _bg_done(self, task: asyncio.Task[None]) -> None:
+        self._bg_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log_event(log, "store_write_failed", logging.ERROR, store="querylog")
+
     def begin_shutdown(self) -> None:
         self.closing = True
 
@@ -182,6 +193,8 @@ class Pipeline:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
+        if self._bg_tasks:
+            await asyncio.wait(set(self._bg_tasks), timeout=5.0)
 
     # -- fixes ---------------------------------------------------------------------------------
     async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
@@ -619,8 +632,10 @@ class Pipeline:
             timing["upstream"] += time.monotonic() - started
             self.metrics.queue_depth.labels(queue="upstream").set(self.upstream.waiting)
         forwarded_t = self.clock()
-        with contextlib.suppress(Exception):
-            await self.querylog.record(
+        # The query log is written in the background: the answer does not wait for its commit
+        # (the writer thread drains every queued row before the store closes).
+        self._background(
+            self.querylog.record(
                 (
                     forwarded_t,
                     q.kind,
@@ -636,6 +651,7 @@ class Pipeline:
                     outcome,
                 )
             )
+        )
         if outcome != "ok":
             return self._refusal_body(q.query_id, ReasonCode.UPSTREAM_ERROR, "the provider failed after retries")
         self.metrics.upstream_candidates.labels(kind=q.kind).observe(len(candidates))
