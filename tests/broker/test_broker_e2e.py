@@ -273,3 +273,42 @@ async def test_concurrent_queries_are_micro_batched_and_stay_private(
         assert [r["poi_id"] for r in answer["results"]] == exact_answer({"kind": "knn", "n": 2}, lat, lon, spy.pois)
     assert "kcloak_cloak_seconds_count" in text
     assert batches and max(batches) >= 16  # the vectorized path served part of the load
+
+
+async def test_answers_through_the_real_lbs_equal_the_exact_answer(tmp_path: Path) -> None:
+    """Broker + ``kcloak lbs`` on the bundled Beijing POIs: the inclusive candidate set filtered at
+    the exact position gives exactly the answer computed over all POIs."""
+    from broker.lbs_server import LbsServer
+    from cloaking.places import load_pois
+
+    poiset = load_pois(None)
+    pois = [
+        {"poi_id": p.poi_id, "lat": p.lat, "lon": p.lon, "category": p.category, "name": p.name} for p in poiset.pois
+    ]
+    rnd = random.Random(21)
+    positions = {
+        f"z{i:03d}": (round(40.003 + rnd.gauss(0, 0.004), 7), round(116.351 + rnd.gauss(0, 0.005), 7))
+        for i in range(300)
+    }
+    async with LbsServer(poiset, port=0) as lbs:
+        cfg = broker_config(tmp_path, lbs.url)
+        async with Broker(config=cfg) as b, ClientSession() as http:
+            base = f"http://127.0.0.1:{b.http_port}"
+            now = time.time()
+            ups = [{"user": u, "t": now, "lat": la, "lon": lo} for u, (la, lo) in positions.items()]
+            await http.post(f"{base}/v1/locations", json={"updates": ups})
+            checked = 0
+            for i in range(40):
+                user = rnd.choice(list(positions))
+                query = random_query(rnd, i)
+                query.pop("profile", None)
+                if rnd.random() < 0.5:
+                    query["category"] = rnd.choice(["restaurant", "cafe", "fast_food", "bank"])
+                r = await http.post(f"{base}/v1/users/{user}/query", json=query)
+                answer = await r.json()
+                if answer["status"] != "ok":
+                    continue
+                lat, lon = positions[user]
+                assert [x["poi_id"] for x in answer["results"]] == exact_answer(query, lat, lon, pois)
+                checked += 1
+    assert checked >= 30
