@@ -74,3 +74,45 @@ async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path
                 await asyncio.sleep(0.05)
     assert _count(text, "kcloak_messages_dropped_total", 'reason="retained"', 'topic="update"') == 1
     assert _count(text, "kcloak_updates_accepted_total") == 0
+
+
+async def test_embedded_broker_with_tokens_enforces_the_acl(tmp_path: Path, spy: SpyUpstream, mqtt_port: int) -> None:
+    """With tokens, the embedded broker authenticates users and pins each one to its own topics."""
+    from broker.auth import TokenStore
+
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("alice:tokA\nbob:tokB\n")
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    tokens = TokenStore.from_file(tokens_file)
+    async with Broker(config=cfg, tokens=tokens, tokens_path=str(tokens_file)) as b:
+        for user, password in (("alice", "wrong"), ("mallory", "tokA")):
+            try:
+                async with aiomqtt.Client("127.0.0.1", mqtt_port, username=user, password=password):
+                    refused = False
+            except aiomqtt.MqttError:
+                refused = True
+            assert refused, user
+        async with (
+            aiomqtt.Client("127.0.0.1", mqtt_port, username="alice", password="tokA") as alice,
+            aiomqtt.Client("127.0.0.1", mqtt_port, username="bob", password="tokB") as bob,
+        ):
+            await bob.subscribe("kcloak/v1/answer/alice", qos=1)  # not bob's: never delivered
+            await alice.subscribe("kcloak/v1/answer/alice", qos=1)
+            now = time.time()
+            await alice.publish("kcloak/v1/update/bob", json.dumps({"t": now, "lat": 1.0, "lon": 1.0}), qos=1)
+            await alice.publish("kcloak/v1/update/alice", json.dumps({"t": now, "lat": 39.9, "lon": 116.4}), qos=1)
+            await alice.publish("kcloak/v1/query/alice", json.dumps({"query_id": "q", "kind": "knn", "n": 1}), qos=1)
+            async with asyncio.timeout(5):
+                async for m in alice.messages:
+                    assert isinstance(m.payload, bytes)
+                    answer = json.loads(m.payload)
+                    break
+            assert answer["query_id"] == "q" and answer["status"] == "refused"
+            try:
+                async with asyncio.timeout(0.5):
+                    async for _ in bob.messages:
+                        raise AssertionError("bob received alice's answer")
+            except TimeoutError:
+                pass
+        text = b.metrics.render().decode()
+    assert _count(text, "kcloak_updates_accepted_total") == 1  # bob's topic was never written
