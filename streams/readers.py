@@ -7,9 +7,9 @@ kept), is skipped and counted, never fatal. A file that cannot be read at all (m
 undecodable gzip, no usable header) raises :class:`ReaderError` (the CLI's exit 2).
 
 Formats are looked up in :data:`READERS` by name; :func:`detect_format` picks one from the
-path (suffix, folder) and, for CSV, from the header. A new format (``geolife``, ``gpx``) is a
-function ``(Path) -> FixTable`` built with :class:`FixBuilder`, registered in ``READERS`` and
-known to :func:`detect_format`.
+path (suffix, folder) and, for CSV, from the header. A format is a function
+``(Path) -> FixTable`` built with :class:`FixBuilder`, registered in ``READERS`` and known to
+:func:`detect_format`. :func:`write_contract_csv` is the one writer.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import math
+import xml.etree.ElementTree as ET
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -265,14 +267,142 @@ def read_ais(path: str | Path) -> FixTable:
     return b.build()
 
 
+# -- GeoLife ----------------------------------------------------------------------------------
+GEOLIFE_HEADER_LINES = 6
+
+
+def _geolife_files(p: Path) -> list[tuple[str, Path]]:
+    """``(traj_id, file)`` of a ``.plt`` file or of a folder ``[Data/]<user>/Trajectory/*.plt``."""
+    if p.is_file():
+        user = p.parent.parent.name if p.parent.name.lower() == "trajectory" else p.parent.name
+        return [(f"{user}/{_stem(p)}", p)]
+    root = p / "Data" if (p / "Data").is_dir() else p
+    files = [(f"{f.parent.parent.name}/{_stem(f)}", f) for f in sorted(root.glob("*/Trajectory/*.plt"))]
+    files += [(f"{f.parent.parent.name}/{_stem(f)}", f) for f in sorted(root.glob("*/Trajectory/*.plt.gz"))]
+    if not files:
+        raise ReaderError(f"{p.name}: no <user>/Trajectory/*.plt files in this folder")
+    return files
+
+
+def _stem(p: Path) -> str:
+    """File name without ``.gz`` and the format suffix (``a.plt.gz`` → ``a``)."""
+    name = p.name[:-3] if p.name.lower().endswith(".gz") else p.name
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _geolife_time(date: str, clock: str, days: dict[str, float]) -> float:
+    """Unix seconds of GeoLife ``yyyy-mm-dd`` and ``hh:mm:ss`` (GMT); NaN when unparsable."""
+    day = days.get(date)
+    if day is None:
+        try:
+            day = datetime.fromisoformat(date.strip()).replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            day = math.nan
+        days[date] = day
+    parts = clock.strip().split(":")
+    if len(parts) != 3:
+        return math.nan
+    try:
+        h, m, s = int(parts[0]), int(parts[1]), float(parts[2])
+    except ValueError:
+        return math.nan
+    if not (0 <= h < 24 and 0 <= m < 60 and 0 <= s < 61):
+        return math.nan
+    return day + 3600 * h + 60 * m + s
+
+
+def read_geolife(path: str | Path) -> FixTable:
+    """GeoLife ``.plt`` file or folder (contract §7): 6 header lines, then ``lat,lon,0,alt,days,date,time`` (GMT).
+
+    Each file is one trajectory ``<user>/<stem>``; the time comes from the date and time fields.
+    """
+    p = Path(path)
+    b = FixBuilder()
+    days: dict[str, float] = {}
+    for traj_id, f in _geolife_files(p):
+        with open_text(f) as text:
+            try:
+                for i, line in enumerate(text):
+                    if i < GEOLIFE_HEADER_LINES or not line.strip():
+                        continue
+                    fields = line.split(",")
+                    if len(fields) < 7:
+                        b.bad()
+                        continue
+                    b.add(traj_id, _geolife_time(fields[5], fields[6], days), fields[0], fields[1])
+            except (OSError, EOFError, zlib.error) as exc:
+                raise ReaderError(f"{f.name}: unreadable ({type(exc).__name__})") from exc
+    return b.build()
+
+
+# -- GPX --------------------------------------------------------------------------------------
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _children(elem: ET.Element, name: str) -> Iterable[ET.Element]:
+    return (c for c in elem if _local(c.tag) == name)
+
+
+def read_gpx(path: str | Path) -> FixTable:
+    """GPX 1.0/1.1 (contract §7): each ``<trk>`` is a trajectory ``<file stem>:<index>`` (0-based, file order).
+
+    Track points without ``<time>`` (or with a bad one) are bad rows; waypoints and routes are ignored.
+    """
+    p = Path(path)
+    try:
+        with gzip.open(p, "rb") if p.suffix.lower() == ".gz" else open(p, "rb") as f:
+            root = ET.parse(f).getroot()
+    except (OSError, EOFError, zlib.error, ET.ParseError) as exc:
+        raise ReaderError(f"{p.name}: unreadable GPX ({type(exc).__name__})") from exc
+    if _local(root.tag) != "gpx":
+        raise ReaderError(f"{p.name}: not a GPX document (root element must be <gpx>)")
+    b = FixBuilder()
+    stem = _stem(p)
+    for index, trk in enumerate(_children(root, "trk")):
+        traj_id = f"{stem}:{index}"
+        for seg in _children(trk, "trkseg"):
+            for pt in _children(seg, "trkpt"):
+                time = next((c.text for c in _children(pt, "time")), None)
+                t: float | None = None
+                if time is not None and time.strip():
+                    try:
+                        t = parse_iso8601(time)
+                    except ValueError:
+                        t = math.nan
+                b.add(traj_id, t, pt.get("lat"), pt.get("lon"))
+    return b.build()
+
+
+# -- writer -----------------------------------------------------------------------------------
+def _time_text(t: float) -> str:
+    return str(int(t)) if float(t).is_integer() else repr(float(t))
+
+
+def write_contract_csv(path: str | Path, table: FixTable) -> None:
+    """Write exactly ``traj_id,t,lat,lon`` in table order (contract §7).
+
+    Floats in ``repr`` (shortest round-trip) form, ``t`` as an int when integral; ``.gz`` by suffix.
+    """
+    p = Path(path)
+    gz = p.suffix.lower() == ".gz"
+    with gzip.open(p, "wt", encoding="utf-8", newline="") if gz else open(p, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(CONTRACT_COLUMNS)
+        cols = (table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist())
+        w.writerows((i, _time_text(t), repr(la), repr(lo)) for i, t, la, lo in zip(*cols, strict=True))
+
+
 # -- registry ---------------------------------------------------------------------------------
 Reader = Callable[[Path], FixTable]
 
 READERS: dict[str, Reader] = {
     "csv": read_contract_csv,
+    "geolife": read_geolife,
+    "gpx": read_gpx,
     "ais": read_ais,
 }
-"""Reader by contract ``--format`` name (``geolife`` and ``gpx`` are still to come)."""
+"""Reader by contract ``--format`` name."""
 
 FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
 """Every ``--format`` value of the contract (§9), supported or not yet."""
@@ -324,4 +454,7 @@ __all__ = [
     "read_ais",
     "read_contract_csv",
     "read_fixes",
+    "read_geolife",
+    "read_gpx",
+    "write_contract_csv",
 ]

@@ -225,7 +225,5 @@ def test_read_fixes_dispatches_and_rejects_unsupported_formats(tmp_path: Path) -
     assert fx.t.tolist() == [60.0]
     with pytest.raises(ReaderError):
         read_fixes(ais, "csv")  # not a contract CSV header
-    gpx = tmp_path / "t.gpx"
-    gpx.write_text("<gpx/>")
     with pytest.raises(ReaderError, match="not supported"):
-        read_fixes(gpx)
+        read_fixes(ais, "w4m")  # a name that is no input format

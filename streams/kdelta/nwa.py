@@ -1,0 +1,280 @@
+"""Never Walk Alone (Abul, Bonchi, Nanni, ICDE 2008; CONCEPTS §7.3).
+
+Three phases: equivalence classes of equal time span after trimming to the granularity ``pi_s``,
+greedy pivot clustering under a radius bound with a trash, and space translation of each cluster into
+a cylinder of diameter δ. Distances between synchronized trajectories are the root-sum-square of the
+pointwise distances in an AEQD frame of the class (§2.1 rule 2); the k nearest neighbours of a pivot
+are found through a k-d tree on piecewise-aggregate summaries whose distance never exceeds the true
+one, so the search is exact and large classes stay tractable. The translation itself is done on the
+contract sphere, which the checker uses, so the δ guarantee needs no frame slack.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from scipy.spatial import cKDTree
+
+from cloaking.geometry import EARTH_RADIUS_M, Aeqd
+from streams.kdelta import (
+    KDeltaResult,
+    angle_between,
+    check_params,
+    from_unit,
+    to_unit,
+    trash_limit,
+)
+from streams.trajectory import Trajectory
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+PAA_SEGMENTS = 8
+"""Summary segments per coordinate for the k-d tree lower bound (dimension 2 × this)."""
+
+DELTA_MARGIN_M = 1e-6
+"""Published radius is ``δ/2 − margin``: absorbs float rounding so haversine never exceeds δ."""
+
+
+# -- phase 1: classes -------------------------------------------------------------------------
+def trimmed_span(t_start: float, t_end: float, pi_s: float) -> tuple[float, float]:
+    """Span rounded inwards to multiples of ``pi_s`` (§7.3 ⚠); empty when ``a >= b``."""
+    return math.ceil(t_start / pi_s) * pi_s, math.floor(t_end / pi_s) * pi_s
+
+
+def sample_instants(a: float, b: float, step_s: float) -> F64:
+    """``a, a+step, …`` up to ``b``, with ``b`` always the last instant."""
+    n = math.floor((b - a) / step_s + 1e-9)
+    t = a + step_s * np.arange(n + 1, dtype=np.float64)
+    if t[-1] < b - 1e-9 * max(1.0, abs(b)):
+        t = np.append(t, b)
+    t[-1] = b
+    return t
+
+
+# -- phase 3: space translation ---------------------------------------------------------------
+def space_translate(lat: F64, lon: F64, radius_m: float) -> tuple[F64, F64, F64]:
+    """Move every member (rows) at every instant (columns) onto the disc of ``radius_m`` around the centre.
+
+    The centre per instant is the (spherical) centroid (§7.3 ⚠); a point farther than the radius moves
+    along the great circle to the nearest point of the disc, the cheapest move for that centre. Returns
+    the new ``lat``, ``lon`` and the distance each point moved (metres).
+    """
+    u = to_unit(lat, lon)  # (c, m, 3)
+    centre = u.sum(axis=0)
+    centre /= np.linalg.norm(centre, axis=-1, keepdims=True)
+    c = np.broadcast_to(centre, u.shape)
+    theta = angle_between(u, c)  # (c, m)
+    alpha = max(radius_m, 0.0) / EARTH_RADIUS_M
+    move = theta > alpha
+    out = u.copy()
+    if np.any(move):
+        th = theta[move][:, None]
+        sin_th = np.sin(th)
+        out[move] = (np.sin(th - alpha) * c[move] + math.sin(alpha) * u[move]) / sin_th
+    new_lat, new_lon = from_unit(out)
+    new_lat = np.where(move, new_lat, lat)
+    new_lon = np.where(move, new_lon, lon)
+    cost = np.where(move, (theta - alpha) * EARTH_RADIUS_M, 0.0)
+    return new_lat, new_lon, cost
+
+
+# -- phase 2: greedy clustering ---------------------------------------------------------------
+class _Neighbours:
+    """Exact k-nearest-neighbour search among the still unclustered rows of ``X`` (RSS distance).
+
+    A k-d tree over piecewise-aggregate summaries ``z`` (``|z_p − z_q| ≤ D(p, q)``) proposes
+    candidates in order of a lower bound; the search stops once the k-th true distance is no larger
+    than the bound of the next candidate. The tree is rebuilt when half of its rows are gone.
+    """
+
+    def __init__(self, X: F64, m: int) -> None:
+        self.X = X
+        n = len(X)
+        segs = np.array_split(np.arange(m), min(PAA_SEGMENTS, m))
+        pts = X.reshape(n, m, 2)
+        self.z = np.concatenate([math.sqrt(len(s)) * pts[:, s, :].mean(axis=1) for s in segs], axis=1)
+        self.alive = np.ones(n, bool)
+        self.n_alive = n
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.rows = np.flatnonzero(self.alive)
+        self.tree = cKDTree(self.z[self.rows])
+
+    def remove(self, rows: npt.ArrayLike) -> None:
+        r = np.atleast_1d(np.asarray(rows, dtype=np.int64))
+        self.alive[r] = False
+        self.n_alive = int(np.count_nonzero(self.alive))
+        if 0 < self.n_alive < len(self.rows) // 2:
+            self._rebuild()
+
+    def knn(self, p: int, kk: int) -> tuple[I64, F64]:
+        """The ``kk`` nearest alive rows to row ``p`` (excluding ``p``) and their distances, nearest first."""
+        size = len(self.rows)
+        q = min(size, 2 * kk + 8)
+        while True:
+            dz, j = self.tree.query(self.z[p], k=q)
+            dz, j = np.atleast_1d(dz), np.atleast_1d(j)
+            rows = self.rows[j]
+            cand = rows[self.alive[rows] & (rows != p)]
+            if len(cand) >= kk or q >= size:
+                d = np.linalg.norm(self.X[cand] - self.X[p], axis=1)
+                order = np.argsort(d, kind="stable")[:kk]
+                if q >= size or d[order[-1]] <= dz[-1]:
+                    return cand[order], d[order]
+            q = min(size, 4 * q)
+
+
+def greedy_clusters(X: F64, m: int, k: int, max_radius: float) -> tuple[list[I64], I64]:
+    """NWA's greedy clustering (§7.3 ⚠): farthest pivot from the previous one, its k−1 nearest, radius bound.
+
+    ``X`` holds one synchronized trajectory per row (``m`` instants × (x, y) in metres). Returns the
+    clusters (row indices, pivot first) and the trashed rows.
+    """
+    n = len(X)
+    if n < k:
+        return [], np.arange(n, dtype=np.int64)
+    nb = _Neighbours(X, m)
+    sq = np.einsum("ij,ij->i", X, X)
+    ref = X.mean(axis=0)
+    clusters: list[I64] = []
+    trash: list[int] = []
+    compact = np.arange(n)
+    while nb.n_alive >= k:
+        if len(compact) > 2 * nb.n_alive:
+            compact = np.flatnonzero(nb.alive)
+        d2 = sq[compact] - 2.0 * (X[compact] @ ref)
+        d2[~nb.alive[compact]] = -np.inf
+        p = int(compact[int(np.argmax(d2))])
+        near, dist = nb.knn(p, k - 1)
+        ref = X[p]
+        if len(dist) and dist[-1] > max_radius:
+            trash.append(p)
+            nb.remove(p)
+            continue
+        members = np.r_[p, near].astype(np.int64)
+        clusters.append(members)
+        nb.remove(members)
+    left = np.flatnonzero(nb.alive)
+    if len(left):
+        if clusters:
+            pivots = X[[c[0] for c in clusters]]
+            extra: dict[int, list[int]] = defaultdict(list)
+            for r in left.tolist():
+                d = np.linalg.norm(pivots - X[r], axis=1)
+                best = int(np.argmin(d))
+                if d[best] <= max_radius:
+                    extra[best].append(r)
+                else:
+                    trash.append(r)
+            for ci, rows in extra.items():
+                clusters[ci] = np.r_[clusters[ci], rows].astype(np.int64)
+        else:
+            trash.extend(left.tolist())
+    return clusters, np.array(sorted(trash), dtype=np.int64)
+
+
+def choose_radius(X: F64, m: int, k: int, max_trash: int) -> float:
+    """Smallest radius among the sorted (k−1)-NN distances whose trash stays ≤ ``max_trash`` (§7.3, binary search)."""
+    n = len(X)
+    nb = _Neighbours(X, m)
+    knn_d = np.array([nb.knn(i, k - 1)[1][-1] for i in range(n)])
+    cand = np.r_[np.unique(knn_d), np.inf]
+    lo, hi = 0, len(cand) - 1  # cand[hi] = inf: no outlier at all, always feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        _, trash = greedy_clusters(X, m, k, float(cand[mid]))
+        if len(trash) <= max_trash:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(cand[lo])
+
+
+# -- the algorithm ----------------------------------------------------------------------------
+def _class_frame(lat: F64, lon: F64) -> Aeqd:
+    """AEQD frame centred on a class's samples (mean latitude, circular mean longitude)."""
+    lam = np.radians(lon)
+    lon0 = math.degrees(math.atan2(float(np.sin(lam).mean()), float(np.cos(lam).mean())))
+    return Aeqd(float(lat.mean()), lon0)
+
+
+def nwa(
+    trajectories: Sequence[Trajectory],
+    *,
+    k: int,
+    delta_m: float,
+    pi_s: float = 60.0,
+    step_s: float | None = None,
+    trash_max: float = 0.1,
+    max_radius: float | None = None,
+) -> KDeltaResult:
+    """Anonymize ``trajectories`` (each ≥ 2 instants) into (k,δ)-anonymity sets with NWA (CONCEPTS §7.3).
+
+    ``pi_s`` is the time granularity of the classes, ``step_s`` the resampling period (default
+    ``pi_s``), ``max_radius`` the clustering radius in RSS metres (default: :func:`choose_radius` per
+    class with a budget of ``floor(trash_max · |class|)``). Published members of a cluster lie at every
+    instant within ``δ/2`` (haversine) of a common centre, hence pairwise within ``δ``.
+    """
+    check_params(k, delta_m, trash_max)
+    if not (math.isfinite(pi_s) and pi_s > 0):
+        raise ValueError("pi_s: must be a finite number > 0 (seconds)")
+    step = pi_s if step_s is None else step_s
+    if not (math.isfinite(step) and step > 0):
+        raise ValueError("step_s: must be a finite number > 0 (seconds)")
+    radius_pub = max(0.0, delta_m / 2.0 * (1.0 - 1e-9) - DELTA_MARGIN_M)
+
+    trash: list[str] = []
+    classes: dict[tuple[float, float], list[Trajectory]] = defaultdict(list)
+    for tr in trajectories:
+        a, b = trimmed_span(tr.t_start, tr.t_end, pi_s)
+        if a >= b:
+            trash.append(tr.traj_id)
+        else:
+            classes[(a, b)].append(tr)
+
+    published: list[Trajectory] = []
+    originals: list[Trajectory] = []
+    groups: list[tuple[int, ...]] = []
+    for (a, b), members in sorted(classes.items()):
+        if len(members) < k:
+            trash.extend(tr.traj_id for tr in members)
+            continue
+        times = sample_instants(a, b, step)
+        m = len(times)
+        lat = np.empty((len(members), m))
+        lon = np.empty((len(members), m))
+        for i, tr in enumerate(members):
+            lat[i], lon[i] = tr.at(times)
+        x, y = _class_frame(lat, lon).forward(lat, lon)
+        X = np.stack([x, y], axis=-1).reshape(len(members), 2 * m)
+        radius = max_radius
+        if radius is None:
+            radius = choose_radius(X, m, k, trash_limit(len(members), trash_max))
+        clusters, left = greedy_clusters(X, m, k, radius)
+        trash.extend(members[i].traj_id for i in left.tolist())
+        for rows in clusters:
+            new_lat, new_lon, _ = space_translate(lat[rows], lon[rows], radius_pub)
+            start = len(published)
+            for j, r in enumerate(rows.tolist()):
+                tid = members[r].traj_id
+                originals.append(Trajectory(tid, times, lat[r], lon[r]))
+                published.append(Trajectory(tid, times, new_lat[j], new_lon[j]))
+            groups.append(tuple(range(start, len(published))))
+    n_in = len(trajectories)
+    return KDeltaResult(
+        published=tuple(published),
+        originals=tuple(originals),
+        groups=tuple(groups),
+        trash=tuple(trash),
+        n_in=n_in,
+        trash_limit=trash_limit(n_in, trash_max),
+    )
+
+
+__all__ = ["choose_radius", "greedy_clusters", "nwa", "sample_instants", "space_translate", "trimmed_span"]
