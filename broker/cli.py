@@ -21,6 +21,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "cloaking.bench_cli",
     "broker.lbs_cli",
     "broker.bench_cli",
+    "streams.anonymize_cli",
 )
 
 
