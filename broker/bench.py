@@ -220,7 +220,7 @@ def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], durati
 
 
 def _http_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
-    """Single-fix POSTs over 32 keep-alive connections with a minimal HTTP/1.1 client (aiohttp's
+    """Single-fix POSTs over 128 keep-alive connections with a minimal HTTP/1.1 client (aiohttp's
     client costs as much CPU as the server, which would make the client the bottleneck)."""
 
     async def connection(offset: int, end: float) -> None:
@@ -229,7 +229,7 @@ def _http_update_worker(port: int, users: list[tuple[str, float, float]], durati
         try:
             while time.monotonic() < end:
                 user, lat, lon = users[i % len(users)]
-                i += 32
+                i += 128
                 body = json.dumps({"t": time.time(), "lat": lat, "lon": lon}).encode()
                 writer.write(
                     f"POST /v1/users/{user}/location HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -247,7 +247,7 @@ def _http_update_worker(port: int, users: list[tuple[str, float, float]], durati
 
     async def main() -> None:
         end = time.monotonic() + duration_s
-        await asyncio.gather(*(connection(j, end) for j in range(32)))
+        await asyncio.gather(*(connection(j, end) for j in range(128)))
 
     asyncio.run(main())
 

@@ -158,7 +158,8 @@ class GroupCommitWriter:
 
     ``await writer.write(rows)`` returns once the rows are committed. The queue is bounded
     (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
-    waiting. Timing of each commit is reported to ``on_commit(seconds)``.
+    waiting. Timing of each commit is reported to ``on_commit(seconds)``. After the first queued
+    write the thread lingers up to ``linger_s`` (2 ms) for more before it commits.
     """
 
     def __init__(
@@ -169,8 +170,10 @@ class GroupCommitWriter:
         capacity: int,
         on_commit: Any = None,
         name: str = "store",
+        linger_s: float = 0.002,
     ) -> None:
         self._conn = conn
+        self._linger_s = linger_s
         self._sql = insert_sql
         self._capacity = capacity
         self._pending_rows = 0
@@ -214,9 +217,13 @@ class GroupCommitWriter:
                 return
             batches = [first]
             stop = False
+            # Linger briefly for more writers: one transaction (and one wake-up of the event loop)
+            # then serves many small writes, at the cost of up to ``linger_s`` of latency.
+            deadline = time.monotonic() + self._linger_s
             while len(batches) < 4096:
                 try:
-                    nxt = self._queue.get_nowait()
+                    remaining = deadline - time.monotonic()
+                    nxt = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:
@@ -245,13 +252,21 @@ class GroupCommitWriter:
             self._pending_rows -= n
         if self._on_commit is not None:
             self._on_commit(elapsed)
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
         for b in batches:
-            b.loop.call_soon_threadsafe(_settle, b.future, error)
+            by_loop.setdefault(b.loop, []).append(b.future)
+        for loop, futures in by_loop.items():
+            loop.call_soon_threadsafe(_settle_all, futures, error)
 
     def close(self) -> None:
         """Finish every queued write, then stop the thread."""
         self._queue.put(None)
         self._thread.join()
+
+
+def _settle_all(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for fut in futures:
+        _settle(fut, error)
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
