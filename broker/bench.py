@@ -181,7 +181,8 @@ def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
             proc.kill()
 
 
-def _wait_healthy(port: int, timeout: float = 30.0) -> None:
+def wait_healthy(port: int, timeout: float = 30.0) -> None:
+    """Block until ``GET /healthz`` on a local broker answers 200 (TimeoutError otherwise)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -424,7 +425,7 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
             else:
                 args += ["--mqtt", mode, "--mqtt-ingest-connections", "2"]
             stack.enter_context(serve_process(args))
-            _wait_healthy(http_port)
+            wait_healthy(http_port)
             d = cfg.duration_s
             say("mqtt updates")
             mqtt_updates = _measure(

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from broker.bench import wait_healthy
 from broker.mqtt import free_port
 from tests.broker.conftest import SpyUpstream
 
@@ -52,18 +53,6 @@ def test_port_in_use_exits_1(tmp_path: Path) -> None:
     assert r.returncode == 1
 
 
-def _wait_http(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError("broker did not come up")
-
-
 def _post(port: int, path: str, body: object) -> dict[str, object]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -100,7 +89,7 @@ async def test_workload_logs_leak_no_ids_or_coordinates(tmp_path: Path, spy: Spy
     )
     secrets_seen: list[str] = []
     try:
-        await asyncio.to_thread(_wait_http, http_port)
+        await asyncio.to_thread(wait_healthy, http_port)
         now = time.time()
         users = [f"secretuser{i:03d}" for i in range(30)]
         updates = []
