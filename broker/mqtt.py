@@ -134,7 +134,7 @@ class MqttDoor:
         will_msg = None
         if will:
             will_msg = aiomqtt.Will(STATUS_TOPIC, json.dumps({"state": "down", "t": None}).encode(), qos=1, retain=True)
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             self.host,
             self.port,
             username=self.username,
@@ -144,7 +144,11 @@ class MqttDoor:
             will=will_msg,
             keepalive=30,
             max_queued_outgoing_messages=100_000,
+            max_inflight_messages=1000,
         )
+        # Thousands of answers in flight are normal under load: no warning per publish.
+        client.pending_calls_threshold = 1_000_000
+        return client
 
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
