@@ -160,6 +160,13 @@ class IntakeConnection:
         self.on_messages = on_messages
         self.keepalive_s = keepalive_s
         self.max_packet = max_packet
+        self._transport: asyncio.Transport | None = None
+
+    def publish_qos0(self, topic: str, payload: bytes) -> None:
+        """Send a QoS 0 PUBLISH on this connection (load generators; answers use aiomqtt)."""
+        if self._transport is None or self._transport.is_closing():
+            raise MqttIntakeError("not connected")
+        self._transport.write(_packet(PUBLISH, 0, _utf8(topic) + payload))
 
     async def run(self, connected: Callable[[], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -181,6 +188,7 @@ class IntakeConnection:
                 granted = await proto.suback
             if any(g == 0x80 for g in granted):
                 raise MqttIntakeError("subscription refused by the MQTT broker")
+            self._transport = transport
             if connected is not None:
                 connected()
             while not proto.closed.done():
