@@ -1,9 +1,13 @@
-"""The MQTT door (contract §3) over aiomqtt, and the embedded broker's child process.
+"""The MQTT door (contract §3), and the embedded broker's child process.
 
 Intake connections subscribe to the four ingest filters (QoS 1; ``$share/kcloak/…`` when there
-are several); one more connection publishes answers and status messages. Each message is
-parsed and handed to the same :class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is
-dropped and counted, never fatal, never visible to other users.
+are several); one more connection publishes answers and status messages, with the retained
+``down`` status as its last will. Both speak MQTT 3.1.1 through the lean asyncio client of
+:mod:`broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop turn, a byte at a
+time, which capped the broker far below its targets); the tests drive the broker with aiomqtt as
+an independent client. Each message is parsed and handed to the same
+:class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and counted, never fatal,
+never visible to other users.
 """
 
 from __future__ import annotations
@@ -21,12 +25,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import aiomqtt
-
 from broker import __version__
 from broker.config import Config, parse_listen
 from broker.logs import log_event
-from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError
+from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from broker.pipeline import Duplicate, Pipeline, QueryRejected
 from broker.validation import MalformedJson, parse_json_object, valid_user_id
 from cloaking.profile import ProfileError
@@ -120,7 +122,7 @@ class MqttDoor:
         self.tokens_mode = tokens_mode
         self.state = state
         self.metrics = pipeline.metrics
-        self._publisher: aiomqtt.Client | None = None
+        self._publisher: PublishConnection | None = None
         self._publish_ready = asyncio.Event()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -129,26 +131,6 @@ class MqttDoor:
         self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
         if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
             log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
-
-    def _client(self, suffix: str, *, will: bool = False) -> aiomqtt.Client:
-        will_msg = None
-        if will:
-            will_msg = aiomqtt.Will(STATUS_TOPIC, json.dumps({"state": "down", "t": None}).encode(), qos=1, retain=True)
-        client = aiomqtt.Client(
-            self.host,
-            self.port,
-            username=self.username,
-            password=self.password,
-            identifier=f"kcloak-{suffix}-{secrets.token_hex(4)}",
-            clean_session=True,
-            will=will_msg,
-            keepalive=30,
-            max_queued_outgoing_messages=100_000,
-            max_inflight_messages=1000,
-        )
-        # Thousands of answers in flight are normal under load: no warning per publish.
-        client.pending_calls_threshold = 1_000_000
-        return client
 
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
@@ -163,16 +145,33 @@ class MqttDoor:
     async def _publisher_loop(self) -> None:
         backoff = 0.2
         while True:
+            pub = PublishConnection(
+                host=self.host,
+                port=self.port,
+                username=self.username,
+                password=self.password,
+                will_topic=STATUS_TOPIC,
+                will_payload=json.dumps({"state": "down", "t": None}).encode(),
+            )
             try:
-                async with self._client("pub", will=True) as client:
-                    self._publisher = client
-                    await client.publish(STATUS_TOPIC, self._status("up"), qos=1, retain=True)
+                async with pub:
+                    self._publisher = pub
+                    await pub.publish(STATUS_TOPIC, self._status("up"), qos=1, retain=True)
                     self._publish_ready.set()
                     self.state["mqtt"] = "connected"
+                    self.state.pop("mqtt_down_since", None)
                     self.metrics.mqtt_connected.set(1)
                     backoff = 0.2
-                    await asyncio.Event().wait()
-            except aiomqtt.MqttError:
+                    try:
+                        await asyncio.shield(pub.closed)
+                    except asyncio.CancelledError:
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(
+                                pub.publish(STATUS_TOPIC, self._status("down"), qos=1, retain=True), 2
+                            )
+                        raise
+                    raise MqttIntakeError("publisher connection closed")
+            except MqttIntakeError:
                 self._publish_ready.clear()
                 self._publisher = None
                 self.state["mqtt"] = "disconnected"
@@ -181,13 +180,6 @@ class MqttDoor:
                 log_event(log, "mqtt_disconnected", logging.WARNING, connection="publish")
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-            except asyncio.CancelledError:
-                if self._publisher is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(
-                            self._publisher.publish(STATUS_TOPIC, self._status("down"), qos=1, retain=True), 2
-                        )
-                raise
 
     def _status(self, state: str) -> bytes:
         cfg = self.config
@@ -228,10 +220,13 @@ class MqttDoor:
         except TimeoutError:
             log_event(log, "mqtt_publish_dropped", logging.WARNING, reason="disconnected")
             return
-        assert self._publisher is not None
+        publisher = self._publisher
+        if publisher is None:
+            log_event(log, "mqtt_publish_dropped", logging.WARNING, reason="disconnected")
+            return
         try:
-            await self._publisher.publish(topic, json.dumps(payload, separators=(",", ":")).encode(), qos=1)
-        except aiomqtt.MqttError:
+            await publisher.publish(topic, json.dumps(payload, separators=(",", ":")).encode(), qos=1)
+        except MqttIntakeError:
             log_event(log, "mqtt_publish_failed", logging.WARNING)
 
     # -- dispatch ------------------------------------------------------------------------------

@@ -215,3 +215,154 @@ class IntakeConnection:
                 payload += _utf8(self.password)
         body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
         return _packet(CONNECT, 0, body)
+
+
+class _PubProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.connack: asyncio.Future[int] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self.pending: dict[int, asyncio.Future[None]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.connack.done():
+            self.connack.set_exception(MqttIntakeError("connection lost"))
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(MqttIntakeError("connection lost"))
+        self.pending.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos, n = 0, len(buf)
+        while n - pos >= 2:
+            first, length = buf[pos], buf[pos + 1]
+            if length & 0x80:  # the broker sends us only short packets; anything else is an error
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            end = pos + 2 + length
+            if end > n:
+                break
+            kind = first >> 4
+            if kind == PUBACK and length >= 2:
+                fut = self.pending.pop((buf[pos + 2] << 8) | buf[pos + 3], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif kind == CONNACK and not self.connack.done():
+                self.connack.set_result(buf[pos + 3] if length >= 2 else 255)
+            pos = end
+        del buf[:pos]
+
+
+class PublishConnection:
+    """A lean MQTT 3.1.1 publisher (QoS 0/1, PUBACKs matched in bulk) with a retained last will.
+
+    ``async with PublishConnection(...) as pub: await pub.publish(topic, payload)`` waits for the
+    broker's PUBACK on QoS 1. :attr:`closed` resolves when the connection ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        username: str | None,
+        password: str | None,
+        will_topic: str | None = None,
+        will_payload: bytes = b"",
+        keepalive_s: int = 30,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.username = username
+        self.password = password
+        self.will_topic = will_topic
+        self.will_payload = will_payload
+        self.keepalive_s = keepalive_s
+        self._proto: _PubProtocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._next_id = 0
+        self._pinger: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> PublishConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, proto = await loop.create_connection(_PubProtocol, self.host, self.port)
+        except OSError as exc:
+            raise MqttIntakeError(f"cannot connect ({exc.strerror})") from None
+        self._transport, self._proto = transport, proto
+        transport.write(self._connect_packet())
+        try:
+            async with asyncio.timeout(10):
+                code = await proto.connack
+        except BaseException:
+            transport.close()
+            raise
+        if code != 0:
+            transport.close()
+            raise MqttIntakeError(f"connection refused by the MQTT broker (code {code})")
+        self._pinger = asyncio.create_task(self._ping())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(bytes([DISCONNECT << 4, 0]))
+            self._transport.close()
+
+    @property
+    def closed(self) -> asyncio.Future[None]:
+        assert self._proto is not None
+        return self._proto.closed
+
+    async def _ping(self) -> None:
+        while self._transport is not None and not self._transport.is_closing():
+            await asyncio.sleep(self.keepalive_s / 2)
+            if not self._transport.is_closing():
+                self._transport.write(bytes([PINGREQ << 4, 0]))
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        proto, transport = self._proto, self._transport
+        if proto is None or transport is None or transport.is_closing():
+            raise MqttIntakeError("not connected")
+        flags = (qos << 1) | (1 if retain else 0)
+        if qos == 0:
+            transport.write(_packet(PUBLISH, flags, _utf8(topic) + payload))
+            return
+        for _ in range(65535):
+            self._next_id = self._next_id % 65535 + 1
+            if self._next_id not in proto.pending:
+                break
+        else:
+            raise MqttIntakeError("too many publishes in flight")
+        pid = self._next_id
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        proto.pending[pid] = fut
+        transport.write(_packet(PUBLISH, flags, _utf8(topic) + struct.pack("!H", pid) + payload))
+        await fut
+
+    def _connect_packet(self) -> bytes:
+        flags = 0x02
+        payload = _utf8(f"kcloak-pub-{secrets.token_hex(6)}")
+        if self.will_topic is not None:
+            flags |= 0x04 | (1 << 3) | 0x20  # will, will QoS 1, will retain
+            payload += _utf8(self.will_topic) + struct.pack("!H", len(self.will_payload)) + self.will_payload
+        if self.username is not None:
+            flags |= 0x80
+            payload += _utf8(self.username)
+            if self.password is not None:
+                flags |= 0x40
+                payload += _utf8(self.password)
+        body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
+        return _packet(CONNECT, 0, body)

@@ -116,3 +116,29 @@ async def test_embedded_broker_with_tokens_enforces_the_acl(tmp_path: Path, spy:
                 pass
         text = b.metrics.render().decode()
     assert _count(text, "kcloak_updates_accepted_total") == 1  # bob's topic was never written
+
+
+async def test_broker_status_is_retained_up_then_down(tmp_path: Path, spy: SpyUpstream) -> None:
+    """``kcloak/v1/broker/status`` is retained: ``up`` while serving, ``down`` with a time after a
+    graceful stop (contract §3)."""
+    from broker.bench import mosquitto
+
+    with mosquitto(tmp_path) as (port, _):
+        cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": f"mqtt://127.0.0.1:{port}"})
+        async with Broker(config=cfg), aiomqtt.Client("127.0.0.1", port) as c:
+            await c.subscribe("kcloak/v1/broker/status", qos=1)
+            async with asyncio.timeout(5):
+                async for m in c.messages:
+                    assert isinstance(m.payload, bytes)
+                    up = json.loads(m.payload)
+                    assert m.retain
+                    break
+        async with aiomqtt.Client("127.0.0.1", port) as c:
+            await c.subscribe("kcloak/v1/broker/status", qos=1)
+            async with asyncio.timeout(5):
+                async for m in c.messages:
+                    assert isinstance(m.payload, bytes)
+                    down = json.loads(m.payload)
+                    break
+    assert up["state"] == "up" and up["algorithm"] == "hilbert" and up["auth"] == "open"
+    assert down["state"] == "down" and isinstance(down["t"], float)
