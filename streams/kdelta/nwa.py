@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -84,6 +85,25 @@ def space_translate(lat: F64, lon: F64, radius_m: float) -> tuple[F64, F64, F64]
 
 
 # -- phase 2: greedy clustering ---------------------------------------------------------------
+def _summaries(X: F64, m: int) -> tuple[F64, F64]:
+    """Piecewise-aggregate summaries ``z`` and residual norms of the rows of ``X`` (``m`` instants × (x, y)).
+
+    ``z`` holds the orthonormal coordinates of each row's projection on the piecewise-constant
+    trajectories, so ``X_p·X_q = z_p·z_q + R_p·R_q`` with ``|R_p·R_q| ≤ ‖R_p‖‖R_q‖`` (residuals ``R``).
+    """
+    X2 = np.atleast_2d(X)
+    n = len(X2)
+    pts = X2.reshape(n, m, 2)
+    zs: list[F64] = []
+    r2 = np.zeros(n)
+    for s in np.array_split(np.arange(m), min(PAA_SEGMENTS, m)):
+        seg = pts[:, s, :]
+        mean = seg.mean(axis=1)
+        zs.append(math.sqrt(len(s)) * mean)
+        r2 += ((seg - mean[:, None, :]) ** 2).sum(axis=(1, 2))
+    return np.concatenate(zs, axis=1), np.sqrt(r2)
+
+
 class _Neighbours:
     """Exact k-nearest-neighbour search among the still unclustered rows of ``X`` (RSS distance).
 
@@ -92,14 +112,12 @@ class _Neighbours:
     than the bound of the next candidate. The tree is rebuilt when half of its rows are gone.
     """
 
-    def __init__(self, X: F64, m: int) -> None:
+    def __init__(self, X: F64, m: int, z: F64 | None = None, alive: npt.NDArray[np.bool_] | None = None) -> None:
         self.X = X
         n = len(X)
-        segs = np.array_split(np.arange(m), min(PAA_SEGMENTS, m))
-        pts = X.reshape(n, m, 2)
-        self.z = np.concatenate([math.sqrt(len(s)) * pts[:, s, :].mean(axis=1) for s in segs], axis=1)
-        self.alive = np.ones(n, bool)
-        self.n_alive = n
+        self.z = _summaries(X, m)[0] if z is None else z
+        self.alive = np.ones(n, bool) if alive is None else alive.copy()
+        self.n_alive = int(np.count_nonzero(self.alive))
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -130,70 +148,176 @@ class _Neighbours:
             q = min(size, 4 * q)
 
 
+class _Farthest:
+    """Exact farthest alive row from a reference trajectory, pruned by summary bounds (§7.3 pivot choice).
+
+    ``‖X_i − ref‖² = sq_i − 2 X_i·ref + const`` and ``X_i·ref`` lies within ``‖R_i‖‖R_ref‖`` (plus a
+    rounding allowance) of ``z_i·z_ref``; only rows whose upper bound reaches the best lower bound are
+    measured exactly. The summary columns are compacted when half of them are dead.
+    """
+
+    def __init__(self, X: F64, m: int, z: F64, rnorm: F64, sq: F64, alive: npt.NDArray[np.bool_]) -> None:
+        self.X, self.m, self.z, self.rnorm, self.sq, self.alive = X, m, z, rnorm, sq, alive
+        self._compact()
+
+    def _compact(self) -> None:
+        self.idx = np.flatnonzero(self.alive)
+        self.zc, self.rc, self.sqc = self.z[self.idx], self.rnorm[self.idx], self.sq[self.idx]
+
+    def __call__(self, ref: F64, z_ref: F64, r_ref: float, n_alive: int) -> int:
+        if len(self.idx) > 2 * n_alive:
+            self._compact()
+        sq_ref = float(ref @ ref)
+        base = self.sqc - 2.0 * (self.zc @ z_ref)
+        slack = 2.0 * self.rc * r_ref + 1e-9 * (self.sqc + sq_ref) + 1e-9
+        live = self.alive[self.idx]
+        lower = np.where(live, base - slack, -np.inf)
+        cand = self.idx[live & (base + slack >= lower.max())]
+        d2 = self.sq[cand] - 2.0 * np.einsum("ij,j->i", self.X[cand], ref)
+        return int(cand[int(np.argmax(d2))])
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One pivot of a greedy run: the pivot, its (k−1)-th neighbour distance and the rows it removed."""
+
+    pivot: int
+    dist: float
+    removed: I64
+
+
+class _Greedy:
+    """NWA's greedy clustering on one class, able to replay the common prefix of an earlier run (§7.3).
+
+    Two radii make the same choices up to the first pivot whose (k−1)-th neighbour distance lies
+    between them, so a run resumes from the recorded run that agrees longest with the new radius.
+    """
+
+    def __init__(self, X: F64, m: int, k: int) -> None:
+        self.X, self.m, self.k = X, m, k
+        self.z, self.rnorm = _summaries(X, m)
+        self.sq = np.einsum("ij,ij->i", X, X)
+        self.runs: list[tuple[float, list[_Step]]] = []
+
+    def run(self, max_radius: float) -> tuple[list[I64], I64]:
+        """Clusters (pivot first) and trashed rows for ``max_radius``."""
+        X, k = self.X, self.k
+        n = len(X)
+        if n < k:
+            return [], np.arange(n, dtype=np.int64)
+        steps: list[_Step] = []
+        for radius, log in self.runs:
+            same = 0
+            for s in log:
+                if (s.dist > radius) != (s.dist > max_radius):
+                    break
+                same += 1
+            if same > len(steps):
+                steps = log[:same]
+        alive = np.ones(n, bool)
+        clusters: list[I64] = []
+        trash: list[int] = []
+        for s in steps:
+            alive[s.removed] = False
+            if s.dist > max_radius:
+                trash.append(s.pivot)
+            else:
+                clusters.append(s.removed)
+        if steps:
+            ref = X[steps[-1].pivot]
+            z_ref, r_ref = self.z[steps[-1].pivot], float(self.rnorm[steps[-1].pivot])
+        else:
+            ref = X.mean(axis=0)
+            zr, rr = _summaries(ref, self.m)
+            z_ref, r_ref = zr[0], float(rr[0])
+        nb = _Neighbours(X, self.m, self.z, alive)
+        far = _Farthest(X, self.m, self.z, self.rnorm, self.sq, nb.alive)
+        while nb.n_alive >= k:
+            p = far(ref, z_ref, r_ref, nb.n_alive)
+            near, dist = nb.knn(p, k - 1)
+            ref, z_ref, r_ref = X[p], self.z[p], float(self.rnorm[p])
+            d_last = float(dist[-1]) if len(dist) else 0.0
+            if d_last > max_radius:
+                trash.append(p)
+                removed = np.array([p], dtype=np.int64)
+            else:
+                removed = np.r_[p, near].astype(np.int64)
+                clusters.append(removed)
+            steps.append(_Step(p, d_last, removed))
+            nb.remove(removed)
+        self.runs.append((max_radius, steps))
+        left = np.flatnonzero(nb.alive)
+        if len(left):
+            if clusters:
+                pivots = X[[c[0] for c in clusters]]
+                extra: dict[int, list[int]] = defaultdict(list)
+                for r in left.tolist():
+                    d = np.linalg.norm(pivots - X[r], axis=1)
+                    best = int(np.argmin(d))
+                    if d[best] <= max_radius:
+                        extra[best].append(r)
+                    else:
+                        trash.append(r)
+                for ci, rows in extra.items():
+                    clusters[ci] = np.r_[clusters[ci], rows].astype(np.int64)
+            else:
+                trash.extend(left.tolist())
+        return clusters, np.array(sorted(trash), dtype=np.int64)
+
+
 def greedy_clusters(X: F64, m: int, k: int, max_radius: float) -> tuple[list[I64], I64]:
     """NWA's greedy clustering (§7.3 ⚠): farthest pivot from the previous one, its k−1 nearest, radius bound.
 
     ``X`` holds one synchronized trajectory per row (``m`` instants × (x, y) in metres). Returns the
     clusters (row indices, pivot first) and the trashed rows.
     """
+    return _Greedy(X, m, k).run(max_radius)
+
+
+def _search_radius(X: F64, m: int, k: int, max_trash: int) -> tuple[float, list[I64], I64]:
+    """:func:`choose_radius` with the clustering of the chosen radius.
+
+    Candidates are the sorted (k−1)-NN distances and ∞ (always feasible: no trash when ``n ≥ k``). The
+    bracket (infeasible ``lo``, feasible ``hi``) starts from the (1 − budget) quantile and shrinks by
+    interpolating the trash counts, falling back to bisection whenever a probe fails to halve it; it ends
+    on adjacent candidates, as a binary search does.
+    """
     n = len(X)
+    g = _Greedy(X, m, k)
     if n < k:
-        return [], np.arange(n, dtype=np.int64)
-    nb = _Neighbours(X, m)
-    sq = np.einsum("ij,ij->i", X, X)
-    ref = X.mean(axis=0)
-    clusters: list[I64] = []
-    trash: list[int] = []
-    compact = np.arange(n)
-    while nb.n_alive >= k:
-        if len(compact) > 2 * nb.n_alive:
-            compact = np.flatnonzero(nb.alive)
-        d2 = sq[compact] - 2.0 * (X[compact] @ ref)
-        d2[~nb.alive[compact]] = -np.inf
-        p = int(compact[int(np.argmax(d2))])
-        near, dist = nb.knn(p, k - 1)
-        ref = X[p]
-        if len(dist) and dist[-1] > max_radius:
-            trash.append(p)
-            nb.remove(p)
-            continue
-        members = np.r_[p, near].astype(np.int64)
-        clusters.append(members)
-        nb.remove(members)
-    left = np.flatnonzero(nb.alive)
-    if len(left):
-        if clusters:
-            pivots = X[[c[0] for c in clusters]]
-            extra: dict[int, list[int]] = defaultdict(list)
-            for r in left.tolist():
-                d = np.linalg.norm(pivots - X[r], axis=1)
-                best = int(np.argmin(d))
-                if d[best] <= max_radius:
-                    extra[best].append(r)
-                else:
-                    trash.append(r)
-            for ci, rows in extra.items():
-                clusters[ci] = np.r_[clusters[ci], rows].astype(np.int64)
+        return math.inf, *g.run(math.inf)
+    nb = _Neighbours(X, m, g.z)
+    knn_d = np.array([nb.knn(i, k - 1)[1][-1] for i in range(n)]) if k > 1 else np.zeros(n)
+    cand = np.r_[np.unique(knn_d), np.inf]
+    lo, hi = -1, len(cand) - 1
+    t_lo, t_hi = float(n), 0.0
+    best: tuple[list[I64], I64] | None = None
+    q = 1.0 - max_trash / n
+    probe = min(int(np.searchsorted(cand, float(np.quantile(knn_d, q)))), hi - 1)
+    while hi - lo > 1:
+        width = hi - lo
+        result = g.run(float(cand[probe]))
+        t = float(len(result[1]))
+        if t <= max_trash:
+            hi, t_hi, best = probe, t, result
         else:
-            trash.extend(left.tolist())
-    return clusters, np.array(sorted(trash), dtype=np.int64)
+            lo, t_lo = probe, t
+        if hi - lo <= 1:
+            break
+        if 2 * (hi - lo) > width:
+            probe = (lo + hi) // 2
+        else:
+            frac = (t_lo - (max_trash + 0.5)) / max(t_lo - t_hi, 1.0)
+            probe = lo + round(frac * (hi - lo))
+        probe = min(max(probe, lo + 1), hi - 1)
+    if best is None:
+        best = g.run(float(cand[hi]))
+    return float(cand[hi]), *best
 
 
 def choose_radius(X: F64, m: int, k: int, max_trash: int) -> float:
-    """Smallest radius among the sorted (k−1)-NN distances whose trash stays ≤ ``max_trash`` (§7.3, binary search)."""
-    n = len(X)
-    nb = _Neighbours(X, m)
-    knn_d = np.array([nb.knn(i, k - 1)[1][-1] for i in range(n)])
-    cand = np.r_[np.unique(knn_d), np.inf]
-    lo, hi = 0, len(cand) - 1  # cand[hi] = inf: no outlier at all, always feasible
-    while lo < hi:
-        mid = (lo + hi) // 2
-        _, trash = greedy_clusters(X, m, k, float(cand[mid]))
-        if len(trash) <= max_trash:
-            hi = mid
-        else:
-            lo = mid + 1
-    return float(cand[lo])
+    """Smallest radius among the sorted (k−1)-NN distances whose trash stays ≤ ``max_trash`` (§7.3, bracketed)."""
+    return _search_radius(X, m, k, max_trash)[0]
 
 
 # -- the algorithm ----------------------------------------------------------------------------
@@ -253,10 +377,10 @@ def nwa(
             lat[i], lon[i] = tr.at(times)
         x, y = _class_frame(lat, lon).forward(lat, lon)
         X = np.stack([x, y], axis=-1).reshape(len(members), 2 * m)
-        radius = max_radius
-        if radius is None:
-            radius = choose_radius(X, m, k, trash_limit(len(members), trash_max))
-        clusters, left = greedy_clusters(X, m, k, radius)
+        if max_radius is None:
+            _, clusters, left = _search_radius(X, m, k, trash_limit(len(members), trash_max))
+        else:
+            clusters, left = greedy_clusters(X, m, k, max_radius)
         trash.extend(members[i].traj_id for i in left.tolist())
         for rows in clusters:
             new_lat, new_lon, _ = space_translate(lat[rows], lon[rows], radius_pub)

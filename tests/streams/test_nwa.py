@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from cloaking.geometry import Aeqd, haversine_m_array
 from streams.kdelta import KDeltaError, trash_limit
-from streams.kdelta.nwa import greedy_clusters, nwa, sample_instants, space_translate, trimmed_span
+from streams.kdelta.nwa import (
+    _Greedy,
+    choose_radius,
+    greedy_clusters,
+    nwa,
+    sample_instants,
+    space_translate,
+    trimmed_span,
+)
 from streams.quality import verify_k_delta
 from streams.trajectory import Trajectory, fixes_of
 
@@ -90,6 +98,58 @@ def test_greedy_clusters_are_at_least_k_and_partition() -> None:
     assert len(trash) == 0
     assert all(len(c) >= 5 for c in clusters)
     assert sorted(np.concatenate(clusters).tolist()) == list(range(103))
+
+
+def brute_greedy(X: np.ndarray, k: int, max_radius: float) -> tuple[list[list[int]], list[int]]:
+    """§7.3 pseudo-code of ``greedy_clusters`` by brute force (full distance scans)."""
+    alive = list(range(len(X)))
+    ref = X.mean(axis=0)
+    clusters: list[list[int]] = []
+    trash: list[int] = []
+    while len(alive) >= k:
+        p = max(alive, key=lambda t: float(np.linalg.norm(X[t] - ref)))
+        others = sorted((r for r in alive if r != p), key=lambda t: float(np.linalg.norm(X[t] - X[p])))[: k - 1]
+        ref = X[p]
+        if float(np.linalg.norm(X[others[-1]] - X[p])) > max_radius:
+            alive.remove(p)
+            trash.append(p)
+            continue
+        clusters.append([p, *others])
+        alive = [r for r in alive if r not in clusters[-1]]
+    for r in alive:
+        d = [float(np.linalg.norm(X[c[0]] - X[r])) for c in clusters]
+        if d and min(d) <= max_radius:
+            clusters[int(np.argmin(d))].append(r)
+        else:
+            trash.append(r)
+    return clusters, sorted(trash)
+
+
+def test_greedy_matches_brute_force_and_resumed_runs_match_fresh_ones() -> None:
+    """Pruned pivot choice and prefix replay change nothing: every radius gives the brute-force clustering."""
+    rng = np.random.default_rng(7)
+    X = (rng.normal(size=(150, 1, 2)) * 2_000 + np.cumsum(rng.normal(size=(150, 12, 2)) * 50, axis=1)).reshape(150, 24)
+    g = _Greedy(X, 12, 4)
+    for radius in (300.0, 2_000.0, 900.0, 1_500.0, 1_200.0, np.inf):
+        clusters, trash = g.run(radius)
+        expected, expected_trash = brute_greedy(X, 4, radius)
+        assert [c.tolist() for c in clusters] == expected
+        assert trash.tolist() == expected_trash
+    assert len(g.runs) == 6
+
+
+def test_choose_radius_ends_on_a_feasible_candidate_next_to_an_infeasible_one() -> None:
+    """§7.3 `choose_radius`: the chosen (k−1)-NN distance keeps the trash in budget, the next smaller one does not."""
+    rng = np.random.default_rng(11)
+    X = (rng.normal(size=(300, 1, 2)) * 3_000 + np.cumsum(rng.normal(size=(300, 10, 2)) * 30, axis=1)).reshape(300, 20)
+    k, budget = 5, 30
+    radius = choose_radius(X, 10, k, budget)
+    assert len(greedy_clusters(X, 10, k, radius)[1]) <= budget
+    knn = np.sort(np.linalg.norm(X[:, None, :] - X[None, :, :], axis=2), axis=1)[:, k - 1]
+    cand = np.unique(knn)
+    assert radius in cand
+    below = cand[cand < radius]
+    assert len(below) == 0 or len(greedy_clusters(X, 10, k, float(below[-1]))[1]) > budget
 
 
 @st.composite
