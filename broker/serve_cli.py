@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +131,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"kcloak serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.format)
-    return asyncio.run(_serve(cfg, tokens, tokens_path))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(_serve(cfg, tokens, tokens_path))
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when installed (about a third more requests per core), else asyncio's.
+
+    ``KCLOAK_EVENT_LOOP=asyncio`` forces the standard loop.
+    """
+    if os.environ.get("KCLOAK_EVENT_LOOP", "uvloop") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None) -> int:

@@ -41,6 +41,10 @@ def _reject_constant(name: str) -> Any:
     raise MalformedJson(f"JSON: {name} is not allowed")
 
 
+# One decoder for every body: ``json.loads`` with keyword arguments builds a new decoder per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _depth(obj: Any, limit: int) -> bool:
     stack: list[tuple[Any, int]] = [(obj, 1)]
     while stack:
@@ -68,7 +72,7 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
     else:
         text = payload
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = _DECODER.decode(text)
     except MalformedJson:
         raise
     except (json.JSONDecodeError, RecursionError):
