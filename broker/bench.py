@@ -221,34 +221,22 @@ def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], durati
 
 
 def _http_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
-    """Single-fix POSTs over 128 keep-alive connections with a minimal HTTP/1.1 client (aiohttp's
-    client costs as much CPU as the server, which would make the client the bottleneck)."""
+    """Single-fix POSTs over 128 keep-alive connections with the simulators' lean HTTP/1.1 client
+    (aiohttp's client costs as much CPU as the server, which would make the client the bottleneck)."""
+    from simulators.transport import HttpClient
 
-    async def connection(offset: int, end: float) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def connection(http: HttpClient, offset: int, end: float) -> None:
         i = offset
-        try:
-            while time.monotonic() < end:
-                user, lat, lon = users[i % len(users)]
-                i += 128
-                body = json.dumps({"t": time.time(), "lat": lat, "lon": lon}).encode()
-                writer.write(
-                    f"POST /v1/users/{user}/location HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line[:15].lower() == b"content-length:":
-                        length = int(line[15:])
-                await reader.readexactly(length)
-        finally:
-            writer.close()
+        while time.monotonic() < end:
+            user, lat, lon = users[i % len(users)]
+            i += 128
+            body = json.dumps({"t": time.time(), "lat": lat, "lon": lon}).encode()
+            await http.request("POST", f"/v1/users/{user}/location", body)
 
     async def main() -> None:
         end = time.monotonic() + duration_s
-        await asyncio.gather(*(connection(j, end) for j in range(128)))
+        async with HttpClient(host="127.0.0.1", port=port, connections=128) as http:
+            await asyncio.gather(*(connection(http, j, end) for j in range(128)))
 
     asyncio.run(main())
 

@@ -22,6 +22,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "broker.lbs_cli",
     "broker.bench_cli",
     "streams.anonymize_cli",
+    "simulators.cli",
 )
 
 
@@ -61,4 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Under ``python -m broker.cli`` this file runs as ``__main__``, a second copy beside the
+    # ``broker.cli`` the subcommands import: run the canonical one, so that its UsageError is caught.
+    from broker.cli import main as canonical_main
+
+    raise SystemExit(canonical_main())
