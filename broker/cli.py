@@ -23,6 +23,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "broker.bench_cli",
     "streams.anonymize_cli",
     "simulators.cli",
+    "streams.release_cli",
+    "streams.bench_release",
 )
 
 

@@ -1,0 +1,35 @@
+"""Tabular release: generalization algorithms, privacy criteria and loss metrics (CONCEPTS §8, contract §8).
+
+One entry point, :func:`anonymize_table`, runs any algorithm of :data:`ALGORITHMS` under any combination of
+k-anonymity, ℓ-diversity (distinct, entropy, recursive (c, ℓ)) and t-closeness, and returns a
+:class:`TabularRelease` of written forms in random order.
+"""
+
+from __future__ import annotations
+
+from cloaking.tabular._errors import InvalidInput, NotApplicable, TabularError, Unsatisfiable
+from cloaking.tabular._release import ALGORITHMS, TabularRelease, anonymize_table
+from cloaking.tabular._table import QuasiIdentifier
+from cloaking.tabular.hierarchy import (
+    CategoricalHierarchy,
+    GridHierarchy,
+    Hierarchy,
+    IntervalHierarchy,
+    PrefixHierarchy,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "CategoricalHierarchy",
+    "GridHierarchy",
+    "Hierarchy",
+    "IntervalHierarchy",
+    "InvalidInput",
+    "NotApplicable",
+    "PrefixHierarchy",
+    "QuasiIdentifier",
+    "TabularError",
+    "TabularRelease",
+    "Unsatisfiable",
+    "anonymize_table",
+]
