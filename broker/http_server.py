@@ -8,6 +8,7 @@ Every 4xx/5xx leaves as the contract's error body (a middleware also rewrites ai
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from broker.auth import TokenStore
 from broker.config import Config
 from broker.metrics import Metrics
 from broker.pipeline import Duplicate, Pipeline, QueryRejected
+from broker.publication import WindowPublisher
 from broker.validation import InvalidInput, MalformedJson, parse_fix, parse_json_object, valid_user_id
 from cloaking.profile import ProfileError, ReasonCode
 
@@ -27,6 +29,7 @@ CONFIG = web.AppKey("config", Config)
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", TokenStore)
 STATE = web.AppKey("state", dict)
+PUBLICATION = web.AppKey("publication", WindowPublisher)
 AUTH_USER = web.RequestKey("auth_user", str)
 
 _STATUS: dict[ReasonCode, int] = {
@@ -91,7 +94,6 @@ _AIOHTTP_CODES = {
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    started = time.perf_counter()
     metrics = request.app[METRICS]
     route = _route_template(request)
     status = 500
@@ -112,7 +114,6 @@ async def error_middleware(
         return resp
     finally:
         metrics.http_requests.labels(route=route, method=request.method, status=str(status)).inc()
-        del started
 
 
 def _route_template(request: web.Request) -> str:
@@ -154,6 +155,9 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
     if request.content_length is not None and request.content_length > limit:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+    if request.content_length is not None:
+        raw = await request.read()
+        return _parse_body(raw)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -164,7 +168,10 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return _parse_body(b"".join(chunks))
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         return parse_json_object(raw)
     except MalformedJson as exc:
@@ -179,6 +186,9 @@ def _user(request: web.Request) -> str:
 
 
 # -- fixes -------------------------------------------------------------------------------------
+_ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
+
+
 async def post_location(request: web.Request) -> web.Response:
     user = _user(request)
     cfg = request.app[CONFIG]
@@ -193,7 +203,7 @@ async def post_location(request: web.Request) -> web.Response:
     res = await pipeline.submit_fixes("http", [(user, fix)])
     code = res.codes[0]
     if code is None:
-        return web.json_response({"accepted": 1, "rejected": []})
+        return web.Response(body=_ACCEPTED_ONE, content_type="application/json")
     if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
         return web.json_response({"accepted": 0, "rejected": [{"index": 0, "code": code.value}]})
     messages = {
@@ -332,22 +342,55 @@ async def refresh_session(request: web.Request) -> web.Response:
     return await _run_query(request, body)
 
 
-async def session_object(request: web.Request) -> web.Response:
-    _user(request)
-    raise HttpError(ReasonCode.UNKNOWN_SESSION, "unknown session")
+async def get_session(request: web.Request) -> web.Response:
+    user = _user(request)
+    obj = request.app[PIPELINE].session_object(user, request.match_info["session_id"])
+    if obj is None:
+        raise HttpError(ReasonCode.UNKNOWN_SESSION, "unknown session")
+    return web.json_response(obj)
 
 
-# -- published data (trajectory publication lands with its own issue) ---------------------------
+async def delete_session(request: web.Request) -> web.Response:
+    user = _user(request)
+    if not request.app[PIPELINE].stop_session(user, request.match_info["session_id"]):
+        raise HttpError(ReasonCode.UNKNOWN_SESSION, "unknown session")
+    return web.Response(status=204)
+
+
+# -- published data (contract §4, §7) -----------------------------------------------------------
 async def list_windows(request: web.Request) -> web.Response:
+    values = {"since": 0, "limit": 100}
     for name, lo, hi in (("since", 0, 2**62), ("limit", 1, 1000)):
         raw = request.query.get(name)
         if raw is not None and (not raw.isdigit() or not lo <= int(raw) <= hi):
             raise HttpError(ReasonCode.INVALID, f"{name}: must be an integer within [{lo}, {hi}]", field=name)
-    return web.json_response({"windows": [], "next_since": None})
+        if raw is not None:
+            values[name] = int(raw)
+    publication = request.app.get(PUBLICATION)
+    if publication is None:
+        return web.json_response({"windows": [], "next_since": None})
+    windows, next_since = await asyncio.to_thread(publication.listing, since=values["since"], limit=values["limit"])
+    return web.json_response({"windows": windows, "next_since": next_since})
 
 
 async def get_window(request: web.Request) -> web.Response:
-    raise HttpError(ReasonCode.NOT_FOUND, "unknown window")
+    publication = request.app.get(PUBLICATION)
+    report = None
+    if publication is not None:
+        report = await asyncio.to_thread(publication.report, request.match_info["window_id"])
+    if report is None:
+        raise HttpError(ReasonCode.NOT_FOUND, "unknown window")
+    return web.json_response(report)
+
+
+async def get_window_csv(request: web.Request) -> web.StreamResponse:
+    publication = request.app.get(PUBLICATION)
+    path = None
+    if publication is not None:
+        path = await asyncio.to_thread(publication.published_csv, request.match_info["window_id"])
+    if path is None:
+        raise HttpError(ReasonCode.NOT_FOUND, "unknown window")
+    return web.FileResponse(path, headers={"Content-Type": "text/csv; charset=utf-8"})
 
 
 # -- service routes ----------------------------------------------------------------------------
@@ -407,7 +450,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, state: dict[str, Any]) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware],
+        # Without tokens every route is open: the auth layer is left out of the hot path.
+        middlewares=[error_middleware] if tokens is None else [error_middleware, auth_middleware],
         client_max_size=config.limits.batch_bytes + 1024,
     )
     app[PIPELINE] = pipeline
@@ -425,9 +469,10 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     r.add_post("/v1/users/{user}/query", post_query)
     r.add_post("/v1/users/{user}/sessions", post_session)
     r.add_post("/v1/users/{user}/sessions/{session_id}/refresh", refresh_session)
-    r.add_get("/v1/users/{user}/sessions/{session_id}", session_object, allow_head=False)
-    r.add_delete("/v1/users/{user}/sessions/{session_id}", session_object)
+    r.add_get("/v1/users/{user}/sessions/{session_id}", get_session, allow_head=False)
+    r.add_delete("/v1/users/{user}/sessions/{session_id}", delete_session)
     r.add_get("/v1/published/windows", list_windows, allow_head=False)
+    r.add_get("/v1/published/windows/{window_id}.csv", get_window_csv, allow_head=False)
     r.add_get("/v1/published/windows/{window_id}", get_window, allow_head=False)
     r.add_get("/v1/info", info, allow_head=False)
     r.add_get("/v1/openapi.json", openapi, allow_head=False)

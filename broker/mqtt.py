@@ -229,6 +229,24 @@ class MqttDoor:
         except MqttIntakeError:
             log_event(log, "mqtt_publish_failed", logging.WARNING)
 
+    async def publish_confirmed(self, topic: str, payload: bytes, *, timeout_s: float = 10.0) -> None:
+        """Publish at QoS 1 and return once the MQTT broker acknowledged it (published windows).
+
+        Raises :class:`MqttIntakeError` when not connected or when no PUBACK came within ``timeout_s``.
+        """
+        try:
+            await self.wait_connected(timeout_s)
+        except TimeoutError:
+            raise MqttIntakeError("not connected") from None
+        publisher = self._publisher
+        if publisher is None:
+            raise MqttIntakeError("not connected")
+        try:
+            async with asyncio.timeout(timeout_s):
+                await publisher.publish(topic, payload, qos=1)
+        except TimeoutError:
+            raise MqttIntakeError("no PUBACK in time") from None
+
     # -- dispatch ------------------------------------------------------------------------------
     def _drop(self, topic: str, reason: str) -> None:
         self.metrics.messages_dropped.labels(transport="mqtt", topic=topic, reason=reason).inc()

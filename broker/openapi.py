@@ -63,6 +63,38 @@ _ERROR = {
         }
     },
 }
+_SESSION_STATE = {"enum": ["active", "stopped", "expired", "ended"]}
+_SESSION = {
+    "type": "object",
+    "required": ["session_id", "state", "kind", "category", "started_t", "last_refresh_t", "expires_t", "refreshes"],
+    "properties": {
+        "session_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+        "state": _SESSION_STATE,
+        "kind": {"enum": ["range", "knn"]},
+        "radius_m": _NUM,
+        "n": {"type": "integer"},
+        "category": {"type": ["string", "null"]},
+        "started_t": _NUM,
+        "last_refresh_t": {"type": ["number", "null"]},
+        "expires_t": _NUM,
+        "refreshes": {"type": "integer", "minimum": 0},
+    },
+}
+_SESSION_BRIEF = {
+    "type": "object",
+    "required": ["session_id", "state"],
+    "properties": {"session_id": _SESSION["properties"]["session_id"], "state": _SESSION_STATE, "expires_t": _NUM},  # type: ignore[index]
+}
+_START = {
+    **_QUERY,
+    "properties": {k: v for k, v in _QUERY["properties"].items() if k not in ("continuous", "session_id", "stop")},  # type: ignore[attr-defined]
+}
+_REFRESH = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["query_id"],
+    "properties": {k: _QUERY["properties"][k] for k in ("query_id", "lat", "lon", "t")},  # type: ignore[index]
+}
 _ANSWER = {
     "type": "object",
     "required": ["query_id", "status", "t"],
@@ -78,10 +110,79 @@ _ANSWER = {
         "region": {"type": "object"},
         "results": {"type": "array", "items": {"type": "object"}},
         "truncated": {"type": "boolean"},
-        "session": {"type": "object"},
+        "session": _SESSION_BRIEF,
         "t": _NUM,
     },
 }
+
+
+_WINDOW_META = {
+    "type": "object",
+    "required": ["window_id", "t_start", "t_end", "method", "k", "delta", "n_in", "n_out", "published_t", "csv"],
+    "properties": {
+        "window_id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
+        "t_start": {"type": "integer"},
+        "t_end": {"type": "integer"},
+        "method": {"type": "string"},
+        "k": {"type": "integer"},
+        "delta": _NUM,
+        "n_in": {"type": "integer"},
+        "n_out": {"type": "integer"},
+        "published_t": _NUM,
+        "status": {"enum": ["published", "empty"]},
+        "csv": {"type": "string"},
+    },
+}
+_WINDOW_REPORT = {
+    "type": "object",
+    "required": ["window_id", "t_start", "t_end", "published_t", "status", "method", "k", "delta", "n_in", "n_out"],
+    "properties": {
+        **_WINDOW_META["properties"],  # type: ignore[dict-item]
+        "kcloak_version": {"type": "string"},
+        "seed": {"type": ["integer", "null"]},
+        "trash_max": _NUM,
+        "pi_s": {"type": ["number", "null"]},
+        "n_trash": {"type": "integer"},
+        "n_too_short": {"type": "integer"},
+        "n_bad_rows": {"type": "integer"},
+        "n_points_in": {"type": "integer"},
+        "n_points_out": {"type": "integer"},
+        "trash_fraction": _NUM,
+        "n_groups": {"type": "integer"},
+        "group_size_mean": _NUM,
+        "total_translation_m": _NUM,
+        "mean_translation_m": _NUM,
+        "time_distortion_s": _NUM,
+        "range_query_distortion": _NUM,
+        "range_queries": {"type": "integer"},
+        "runtime_s": _NUM,
+    },
+}
+
+
+def _windows_op() -> dict[str, Any]:
+    op = _op(
+        "List published windows (ascending t_start)",
+        ok={
+            "type": "object",
+            "required": ["windows", "next_since"],
+            "properties": {
+                "windows": {"type": "array", "items": _WINDOW_META},
+                "next_since": {"type": ["integer", "null"]},
+            },
+        },
+    )
+    op["parameters"] = [
+        {"name": "since", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}},
+    ]
+    return op
+
+
+def _csv_op() -> dict[str, Any]:
+    op = _op("A published window's file (contract CSV traj_id,t,lat,lon)")
+    op["responses"]["200"] = {"description": "the window file", "content": {"text/csv": {"schema": {"type": "string"}}}}
+    return op
 
 
 def _op(summary: str, body: dict[str, Any] | None = None, ok: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -117,15 +218,15 @@ def broker_openapi() -> dict[str, Any]:
                 "delete": {"summary": "Reset to the default profile", "responses": {"204": {"description": "reset"}}},
             },
             "/v1/users/{user}/query": {"post": _op("Run a query (one answer)", _QUERY, _ANSWER)},
-            "/v1/users/{user}/sessions": {"post": _op("Start a continuous query", _QUERY, _ANSWER)},
-            "/v1/users/{user}/sessions/{session_id}/refresh": {"post": _op("Refresh a session", _QUERY, _ANSWER)},
+            "/v1/users/{user}/sessions": {"post": _op("Start a continuous query", _START, _ANSWER)},
+            "/v1/users/{user}/sessions/{session_id}/refresh": {"post": _op("Refresh a session", _REFRESH, _ANSWER)},
             "/v1/users/{user}/sessions/{session_id}": {
-                "get": _op("Read a session"),
+                "get": _op("Read a session", ok=_SESSION),
                 "delete": {"summary": "Stop a session", "responses": {"204": {"description": "stopped"}}},
             },
-            "/v1/published/windows": {"get": _op("List published windows")},
-            "/v1/published/windows/{window_id}": {"get": _op("A published window's report")},
-            "/v1/published/windows/{window_id}.csv": {"get": _op("A published window's file")},
+            "/v1/published/windows": {"get": _windows_op()},
+            "/v1/published/windows/{window_id}": {"get": _op("A published window's report", ok=_WINDOW_REPORT)},
+            "/v1/published/windows/{window_id}.csv": {"get": _csv_op()},
             "/v1/info": {"get": _op("Service information")},
             "/v1/openapi.json": {"get": _op("This document")},
             "/healthz": {"get": _op("Health")},

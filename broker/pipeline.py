@@ -16,8 +16,8 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,11 +27,13 @@ from broker.history import RecentFixes
 from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.ratelimit import DedupWindow, TokenBuckets
+from broker.sessions import Session, SessionState, SessionTable, session_status
 from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile
 from broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
 from broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
 from cloaking.cloakers import Refusal, Region, get_cloaker
 from cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
+from cloaking.continuous import SessionError, SharedGroup, ends_session
 from cloaking.geometry import haversine_m
 from cloaking.index import IndexView, PositionIndex
 from cloaking.places import PlacesLayer
@@ -150,6 +152,15 @@ class Pipeline:
         self._inflight: set[asyncio.Task[QueryOutcome]] = set()
         self._bg_tasks: set[asyncio.Task[None]] = set()
         self.closing = False
+        sc = config.sessions
+        self.sessions = SessionTable(
+            metrics=metrics, clock=clock, idle_s=sc.idle_s, max_s=sc.max_s, per_user=sc.per_user
+        )
+        self.sessions.on_expired = self._session_expired
+        self.session_status: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
+        """Publishes a session status message (``kind: session``) to a user; set when MQTT is configured."""
+        self.retention_floor: Callable[[], float | None] | None = None
+        """Fixes at or after the time this returns are never deleted (set by trajectory publication)."""
         for name in ("ingest", "cloak", "hold", "upstream", "store"):
             metrics.queue_capacity.labels(queue=name).set(getattr(config.queues, name))
 
@@ -332,7 +343,7 @@ class Pipeline:
         try:
             try:
                 q = parse_query(obj)
-                kind_label = q.metric_kind
+                kind_label = self._kind_label(user, q)
             except InvalidInput as exc:
                 kind = obj.get("kind")
                 kind_label = kind if kind in ("range", "knn") else "unknown"
@@ -379,11 +390,13 @@ class Pipeline:
         pending = self._pending_per_user.get(user, 0)
         if pending >= self.config.limits.pending_queries_per_user:
             return self._refusal_body(qid, ReasonCode.RATE_LIMITED, "too many pending queries")
+        if q.continuous and not self.sessions.can_start(user):
+            return self._refusal_body(qid, ReasonCode.RATE_LIMITED, "too many active sessions")
         if self._cloak_queue.full():
             return self._refusal_body(qid, ReasonCode.OVERLOADED, "the cloaking queue is full")
         self._pending_per_user[user] = pending + 1
         try:
-            return await self._process_admitted(transport, user, q, timing)
+            return await self._admitted(transport, user, q, timing)
         finally:
             left = self._pending_per_user.get(user, 1) - 1
             if left <= 0:
@@ -393,8 +406,6 @@ class Pipeline:
 
     async def _process_admitted(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
         qid = q.query_id
-        if q.session_id is not None:
-            return self._refusal_body(qid, ReasonCode.UNKNOWN_SESSION, "unknown session")
         stored, _, _ = self.get_profile(user)
         try:
             effective = stored.tightened(q.profile)
@@ -409,8 +420,10 @@ class Pipeline:
         now = self.clock()
         if not self.index.is_present(user, now):
             return self._refusal_body(qid, ReasonCode.STALE_POSITION, "no present position for this user")
-        if q.continuous:
-            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "continuous queries are not enabled")
+        if q.continuous and self.history is not None:
+            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "temporal cloaking cannot hold a continuous session")
+        if q.continuous and effective.l > 1:
+            return self._refusal_body(qid, ReasonCode.UNSUPPORTED, "l > 1 is not supported for continuous queries")
         if self.history is not None:
             return await self._hold_temporal(q, user, effective, timing)
         if effective.l > 1 and (self.cloaker is None or not self.cloaker.supports_l):
@@ -426,11 +439,13 @@ class Pipeline:
         except asyncio.QueueFull:
             return self._refusal_body(qid, ReasonCode.OVERLOADED, "the cloaking queue is full")
         self.metrics.queue_depth.labels(queue="cloak").set(self._cloak_queue.qsize())
-        result, _ = await fut
+        result, view = await fut
         if isinstance(result, Refusal):
             return self._refusal_body(qid, result.reason, result.message)
         fix = self.index.fix(user)
         assert fix is not None
+        if q.continuous and view is not None:
+            return await self._start_session(q, user, effective, result, view, timing)
         return await self._forward(q, effective, result, fix[0], fix[1], timing)
 
     async def _hold_clique(
@@ -476,6 +491,8 @@ class Pipeline:
             return self._refusal_body(q.query_id, ReasonCode.EXPIRED, "the clique's members are no longer present")
         now_fix = self.index.fix(user)
         assert now_fix is not None
+        if q.continuous:
+            return await self._start_session(q, user, profile, region, view, timing)
         return await self._forward(q, profile, region, now_fix[0], now_fix[1], timing)
 
     async def _hold_temporal(
@@ -542,17 +559,153 @@ class Pipeline:
         self.metrics.hold_seconds.labels(algorithm="temporal").observe(held)
         return self._refusal_body(q.query_id, ReasonCode.EXPIRED, "fewer than k users visited the region in time")
 
+    # -- continuous sessions (contract §6; CONCEPTS §6.5) --------------------------------------
+    def _kind_label(self, user: str, q: Query) -> str:
+        """Metric ``kind`` of a query; a refresh that does not repeat ``kind`` counts as its session's."""
+        if q.kind is None and q.session_id is not None and not q.stop:
+            session = self.sessions.peek(user, q.session_id)
+            if session is not None:
+                return session.kind
+        return q.metric_kind
+
+    async def _admitted(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
+        """Route an admitted query: a session refresh or stop, a session start (holding one of the
+        user's session slots while it runs), or a one-shot query."""
+        if q.session_id is not None:
+            return await self._session_query(transport, user, q, timing)
+        if not q.continuous:
+            return await self._process_admitted(transport, user, q, timing)
+        if not self.sessions.reserve(user):
+            return self._refusal_body(q.query_id, ReasonCode.RATE_LIMITED, "too many active sessions")
+        try:
+            return await self._process_admitted(transport, user, q, timing)
+        finally:
+            self.sessions.release(user)
+
+    async def _start_session(
+        self,
+        q: Query,
+        user: str,
+        profile: PrivacyProfile,
+        region: Region,
+        view: IndexView,
+        timing: dict[str, float],
+    ) -> dict[str, Any]:
+        """Forward the first region of a continuous query; the session exists only if that succeeds.
+
+        ``view`` is the snapshot the region was cloaked (or counted) on: the group G is the present
+        users strictly inside the region in it (k-sharing with memorization, CONCEPTS §6.5).
+        """
+        try:
+            group = SharedGroup.start(view, user, region, profile)
+        except SessionError:
+            code = ReasonCode.EXPIRED if self.clique is not None else ReasonCode.K_UNREACHABLE
+            return self._refusal_body(q.query_id, code, "the first region no longer holds the querier and k users")
+        fix = self.index.fix(user)
+        assert fix is not None
+        answer = await self._forward(q, profile, region, fix[0], fix[1], timing)
+        if answer["status"] != "ok":
+            return answer
+        session = self.sessions.open(user, q, profile, group)
+        log_event(log, "session_started", algorithm=self.algorithm, members=len(group.members))
+        answer["session"] = session.brief()
+        return answer
+
+    async def _session_query(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
+        """A refresh or a stop of one of the user's sessions (contract §6).
+
+        A refresh forwards the bbox of the group's present members (never a new cloak), with the
+        kind, parameters and effective profile fixed at the start; ``k_unreachable`` and
+        ``area_exceeded`` end the session, ``stale_position`` keeps it.
+        """
+        qid = q.query_id
+        assert q.session_id is not None
+        session = self.sessions.get(user, q.session_id)
+        if session is None:
+            return self._refusal_body(qid, ReasonCode.UNKNOWN_SESSION, "unknown session")
+        mismatch = session.mismatch(q)
+        if mismatch is not None:
+            message = f"{mismatch}: must equal the value the session started with"
+            return _with_session(self._refusal_body(qid, ReasonCode.INVALID, message), session)
+        if q.fix is not None:
+            res = await self.submit_fixes(transport, [(user, q.fix)], source="query")
+            code = res.codes[0]
+            if code is ReasonCode.INVALID or code is ReasonCode.SHUTDOWN:
+                return _with_session(self._refusal_body(qid, code, "t: outside the accepted clock skew"), session)
+        if session.state is not SessionState.ACTIVE:  # closed while its carried fix was written
+            return self._refusal_body(qid, ReasonCode.UNKNOWN_SESSION, "unknown session")
+        if q.stop:
+            self.sessions.close(session, SessionState.STOPPED)
+            return {"query_id": qid, "status": "ok", "session": session.brief(), "t": self.clock()}
+        self.sessions.touch(session)
+        if not self.index.is_present(user, self.clock()):
+            body = self._refusal_body(qid, ReasonCode.STALE_POSITION, "no present position for this user")
+            return _with_session(body, session)
+        started = time.perf_counter()
+        # The newest view: every member's latest accepted fix, not only the querier's.
+        view = self._fresh_view(self._version)
+        result = session.group.refresh(view, user, session.profile)
+        self.metrics.cloak_seconds.labels(algorithm=self.algorithm).observe(time.perf_counter() - started)
+        if isinstance(result, Refusal):
+            if ends_session(result):
+                self.sessions.close(session, SessionState.ENDED)
+                log_event(log, "session_closed", state="ended", reason=result.reason.value)
+            return _with_session(self._refusal_body(qid, result.reason, result.message), session)
+        fix = self.index.fix(user)
+        assert fix is not None
+        fixed = replace(q, kind=session.kind, radius_m=session.radius_m, n=session.n, category=session.category)
+        answer = await self._forward(fixed, session.profile, result, fix[0], fix[1], timing)
+        return _with_session(answer, session)
+
+    def session_object(self, user: str, session_id: str) -> dict[str, Any] | None:
+        """The session object of ``GET …/sessions/{id}``; None when unknown to this user (contract §6)."""
+        session = self.sessions.get(user, session_id)
+        return None if session is None else session.to_json()
+
+    def stop_session(self, user: str, session_id: str) -> bool:
+        """``DELETE …/sessions/{id}``: stop the user's active session; False when unknown."""
+        session = self.sessions.get(user, session_id)
+        if session is None:
+            return False
+        self.sessions.close(session, SessionState.STOPPED)
+        return True
+
+    def _session_expired(self, session: Session) -> None:
+        log_event(log, "session_closed", state="expired")
+        if self.session_status is not None:
+            self._background(self._notify_session(session.user, session_status(session, self.clock())))
+
+    async def _notify_session(self, user: str, body: dict[str, Any]) -> None:
+        assert self.session_status is not None
+        try:
+            await self.session_status(user, body)
+        except Exception:
+            log_event(log, "session_status_failed", logging.WARNING)
+
+    async def run_sessions(self) -> None:
+        """Expire idle or over-age sessions (contract §6) about once a second; runs until cancelled."""
+        while True:
+            self.sessions.expire_due()
+            nxt = self.sessions.next_expiry()
+            delay = 1.0 if nxt is None else min(1.0, max(nxt - self.clock(), 0.02))
+            await asyncio.sleep(delay)
+
     async def run_housekeeping(self, period_s: float = 60.0) -> None:
         """Retention of the movement store and the presence gauge (contract §11)."""
         while True:
             await asyncio.sleep(period_s)
-            cutoff = self.clock() - self.config.storage.retention_s
-            deleted = await asyncio.to_thread(self.movement.delete_older_than, cutoff)
+            deleted = await self.apply_retention()
             if self.history is not None:
                 self.history.prune(self.clock())
             if deleted:
                 log_event(log, "retention", store="movement", deleted=deleted)
             self.metrics.users_present.set(len(self.index.snapshot(self.clock())))
+
+    async def apply_retention(self) -> int:
+        """Delete fixes older than ``storage.retention_s``, never those of a window not yet committed."""
+        cutoff = self.clock() - self.config.storage.retention_s
+        keep_from = self.retention_floor() if self.retention_floor is not None else None
+        return await asyncio.to_thread(self.movement.delete_older_than, cutoff, keep_from=keep_from)
 
     async def run_expiry(self) -> None:
         """Refuse held requests whose deadline passed (one timer for the whole pool, §5.2)."""
@@ -712,6 +865,12 @@ class Pipeline:
             answer["results"] = filter_knn(candidates, lat, lon, q.n)
         answer["t"] = self.clock()
         return answer
+
+
+def _with_session(answer: dict[str, Any], session: Session) -> dict[str, Any]:
+    """Every answer to a session's refresh or stop carries its ``session`` (contract §6)."""
+    answer["session"] = session.brief()
+    return answer
 
 
 def _region_json(region: Region) -> dict[str, Any]:

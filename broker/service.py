@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -28,6 +28,9 @@ from broker.pipeline import Pipeline
 from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog
 from broker.upstream import UpstreamClient
 from cloaking.places import PlacesLayer, load_pois
+
+if TYPE_CHECKING:
+    from broker.publication import WindowPublisher
 
 log = logging.getLogger("kcloak.broker")
 
@@ -55,6 +58,7 @@ class Broker:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.pipeline: Pipeline | None = None
+        self.publication: WindowPublisher | None = None
         self.http_port: int | None = None
         self.mqtt_port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -117,8 +121,10 @@ class Broker:
         self._tasks.append(self._tg.create_task(self.pipeline.run_workers(), name="cloak-worker"))
         self._tasks.append(self._tg.create_task(self.pipeline.run_expiry(), name="hold-expiry"))
         self._tasks.append(self._tg.create_task(self.pipeline.run_housekeeping(), name="housekeeping"))
+        self._tasks.append(self._tg.create_task(self.pipeline.run_sessions(), name="sessions"))
         if cfg.mqtt.mode != "none":
             await self._start_mqtt(data.path)
+        self._start_publication(data.path, movement)
         self._stack.push_async_callback(self._cancel_tasks)
         if cfg.http.listen != "none":
             await self._start_http()
@@ -138,6 +144,10 @@ class Broker:
         assert self.pipeline is not None
         host, port = parse_listen(self.config.http.listen)
         app = build_app(self.pipeline, self.config, self.tokens, self.state)
+        if self.publication is not None:
+            from broker.http_server import PUBLICATION
+
+            app[PUBLICATION] = self.publication
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -151,6 +161,28 @@ class Broker:
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.http_port = sockets[0].getsockname()[1] if sockets else port
+
+    def _start_publication(self, data_dir: Path, movement: MovementStore) -> None:
+        """Live trajectory windows (contract §7); the HTTP routes read them even when publication is off."""
+        from broker.publication import PublicationError, WindowPublisher
+
+        assert self.pipeline is not None and self._tg is not None
+        try:
+            publication = WindowPublisher(
+                config=self.config,
+                movement=movement,
+                directory=data_dir / "published" / "trajectories",
+                metrics=self.metrics,
+                send=self.mqtt.publish_confirmed if self.mqtt is not None else None,
+                clock=self.pipeline.clock,
+            )
+        except PublicationError as exc:
+            raise StartupError(str(exc)) from None
+        self._stack.push_async_callback(asyncio.to_thread, publication.close)
+        self.publication = publication
+        if publication.enabled:
+            self.pipeline.retention_floor = publication.retention_floor
+            self._tasks.append(self._tg.create_task(publication.run(), name="publication"))
 
     async def _start_mqtt(self, data_dir: Path) -> None:
         from broker.mqtt import EmbeddedMqtt, MqttDoor, external_target
@@ -188,6 +220,11 @@ class Broker:
             state=self.state,
         )
         self.mqtt = door
+
+        async def publish_session_status(user: str, body: dict[str, Any]) -> None:
+            await door.publish(f"kcloak/v1/status/{user}", body)
+
+        self.pipeline.session_status = publish_session_status
         self._tasks.append(self._tg.create_task(door.run(), name="mqtt"))
         try:
             await door.wait_connected(10.0)

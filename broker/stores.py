@@ -210,6 +210,13 @@ class GroupCommitWriter:
         self._queue.put(batch)
         await batch.future
 
+    async def barrier(self) -> None:
+        """Return once every write queued before this call has committed (or failed)."""
+        batch = _Batch((), asyncio.get_running_loop())
+        self._queue.put(batch)
+        with contextlib.suppress(StoreError):
+            await batch.future
+
     def _run(self) -> None:
         while True:
             first = self._queue.get()

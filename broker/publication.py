@@ -1,0 +1,500 @@
+"""Live trajectory publication (contract §7 "Live windows", §11; CONCEPTS §7).
+
+Every accepted fix is already in ``movement.sqlite3`` (written ahead by the movement store). The
+:class:`WindowPublisher` cuts that history into windows ``[n·W, (n+1)·W)``; once no fix can arrive
+for a window any more (now ≥ ``t_end`` + ``max_update_age_s``) it anonymizes the window's
+trajectories with :func:`streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) in a
+worker thread and publishes the result exactly once:
+
+1. write ``published/trajectories/<window_id>.csv`` and ``.json`` atomically (temp file, fsync,
+   rename);
+2. record the window ``committed`` in the ``windows`` table;
+3. publish it on ``kcloak/v1/published/trajectories`` in parts of at most 10,000 rows (QoS 1,
+   each part acknowledged);
+4. record it ``sent``.
+
+After a crash, ``committed`` windows are sent again and windows never committed are processed
+anew (their files, if any, are replaced, never duplicated). Retention never deletes fixes at or
+after the first window that is not committed (:meth:`WindowPublisher.retention_floor`).
+
+Which windows are published: windows from the one holding the first stored fix on, each once.
+A window that ended before this process started and holds no stored fix is skipped (not
+published, not recorded): after a long downtime the publisher jumps to the next window that holds
+a fix, or to the window in which the process started, so there is never a backlog of empty windows.
+Every window that ends while the process runs is published, empty if it has too few trajectories.
+When ``publish.window_s`` changed between runs, publication resumes at the first window of the new
+length that starts at or after the end of the last recorded window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker import __version__
+from broker.config import Config
+from broker.logs import log_event
+from broker.metrics import Metrics
+from broker.mqtt_intake import MqttIntakeError
+from broker.stores import MovementStore
+from streams.publish import METHODS, Release, anonymize
+from streams.readers import FixTable, read_contract_csv, write_contract_csv
+
+log = logging.getLogger("kcloak.publication")
+
+TOPIC = "kcloak/v1/published/trajectories"
+COLUMNS = ("traj_id", "t", "lat", "lon")
+PART_ROWS = 10_000
+"""Rows in one MQTT part at most (contract §1)."""
+PART_BYTES = 1 << 20
+"""Bytes in one MQTT part at most (contract §1)."""
+PI_S_MAX = 60.0
+"""NWA time granularity of live windows: ``min(60 s, window_s / 10)`` (60 s for the default 900 s)."""
+
+WINDOW_ID = re.compile(r"^([0-9]{1,15})-([0-9]{1,15})$")
+
+Send = Callable[[str, bytes], Awaitable[None]]
+"""Publish one message at QoS 1 and return once it is acknowledged (raise otherwise)."""
+
+
+class PublicationError(RuntimeError):
+    """Publication cannot run with this configuration (e.g. a method this version lacks)."""
+
+
+class WindowState(StrEnum):
+    """State of a window in ``movement.sqlite3`` (contract §11)."""
+
+    COMMITTED = "committed"
+    SENT = "sent"
+
+
+class WindowStatus(StrEnum):
+    """``status`` of a window report (contract §7)."""
+
+    PUBLISHED = "published"
+    EMPTY = "empty"
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A publication window ``[t_start, t_end)`` in whole Unix seconds (contract §1 window id)."""
+
+    t_start: int
+    t_end: int
+
+    @property
+    def window_id(self) -> str:
+        return f"{self.t_start}-{self.t_end}"
+
+    @classmethod
+    def parse(cls, window_id: str) -> Window | None:
+        """The window named by ``window_id``, or None if it is not of the form ``{t_start}-{t_end}``."""
+        m = WINDOW_ID.match(window_id)
+        if m is None:
+            return None
+        start, end = int(m.group(1)), int(m.group(2))
+        return cls(start, end) if start < end else None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRecord:
+    """A row of the ``windows`` table."""
+
+    window_id: str
+    t_start: int
+    t_end: int
+    state: WindowState
+    n_in: int
+    n_out: int
+    committed_t: float
+    sent_t: float | None
+
+
+def window_start(t: float, window_s: int) -> int:
+    """Start of the window holding ``t``."""
+    return math.floor(t / window_s) * window_s
+
+
+class WindowLedger:
+    """The ``windows`` table of ``movement.sqlite3`` on a connection of its own (thread-safe)."""
+
+    def __init__(self, path: Path) -> None:
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def commit(self, window: Window, *, n_in: int, n_out: int, t: float) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO windows VALUES (?, ?, ?, 'committed', ?, ?, ?, NULL)",
+                (window.window_id, window.t_start, window.t_end, n_in, n_out, t),
+            )
+
+    def mark_sent(self, window_id: str, t: float) -> None:
+        with self._lock:
+            self._conn.execute("UPDATE windows SET state = 'sent', sent_t = ? WHERE window_id = ?", (t, window_id))
+
+    def get(self, window_id: str) -> WindowRecord | None:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM windows WHERE window_id = ?", (window_id,)).fetchone()
+        return None if row is None else _record(row)
+
+    def records(self, *, since: int = 0, limit: int = 100, state: WindowState | None = None) -> list[WindowRecord]:
+        """Windows with ``t_start ≥ since``, ascending ``t_start``, at most ``limit``."""
+        sql = "SELECT * FROM windows WHERE t_start >= ?"
+        args: list[Any] = [since]
+        if state is not None:
+            sql += " AND state = ?"
+            args.append(state.value)
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY t_start LIMIT ?", (*args, limit)).fetchall()
+        return [_record(r) for r in rows]
+
+    def latest_end(self) -> int | None:
+        with self._lock:
+            row = self._conn.execute("SELECT MAX(t_end) FROM windows").fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def first_fix_at_or_after(self, t: float) -> float | None:
+        with self._lock:
+            row = self._conn.execute("SELECT MIN(t) FROM fixes WHERE t >= ?", (t,)).fetchone()
+        return None if row[0] is None else float(row[0])
+
+
+def _record(row: tuple[Any, ...]) -> WindowRecord:
+    return WindowRecord(row[0], int(row[1]), int(row[2]), WindowState(row[3]), int(row[4]), int(row[5]), row[6], row[7])
+
+
+def _fsync_write(path: Path, data: bytes | None = None) -> None:
+    """fsync ``path`` (writing ``data`` first when given)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if data is not None else 0), 0o600)
+    try:
+        if data is not None:
+            os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WindowPublisher:
+    """Publishes the live windows of contract §7 from the movement store (run :meth:`run` as a task).
+
+    Keyword arguments: ``config`` (``[publish]``, ``cloaking.max_update_age_s``), ``movement`` (the
+    store the fixes are read from; the ledger opens its file again), ``directory`` (where window
+    files go: ``<data dir>/published/trajectories``), ``metrics``, ``send`` (QoS 1 publish that
+    returns once acknowledged; None without MQTT, then committed windows are marked sent at once)
+    and ``clock`` (Unix seconds; :func:`time.time`).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        movement: MovementStore,
+        directory: Path,
+        metrics: Metrics,
+        send: Send | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        pub = config.publish
+        self.window_s = pub.window_s
+        self.enabled = pub.window_s > 0
+        if self.enabled and pub.method not in METHODS:
+            raise PublicationError(f"publish.method {pub.method}: not available in this version")
+        self.config = config
+        self.movement = movement
+        self.directory = directory
+        self.metrics = metrics
+        self.send = send
+        self.clock = clock
+        self.pi_s = min(PI_S_MAX, pub.window_s / 10) if self.enabled else PI_S_MAX
+        self.started_t = clock()
+        self.ledger = WindowLedger(movement.path)
+        self._cursor: int | None = None
+        self._unsent: list[str] | None = None
+
+    def close(self) -> None:
+        self.ledger.close()
+
+    # -- retention -----------------------------------------------------------------------------
+    def retention_floor(self) -> float | None:
+        """Fixes at or after this time must be kept: the start of the first window not committed.
+
+        None when publication is off; ``-inf`` (keep everything) before the first window is known.
+        """
+        if not self.enabled:
+            return None
+        return -math.inf if self._cursor is None else float(self._cursor)
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self, *, poll_s: float = 1.0) -> None:
+        """Publish due windows until cancelled; failures (disk, MQTT) are logged and retried."""
+        if not self.enabled:
+            return
+        while True:
+            try:
+                await self.step()
+            except (OSError, sqlite3.Error) as exc:
+                log_event(log, "publication_failed", logging.ERROR, error=type(exc).__name__)
+            except Exception:  # never take the broker down; the window is retried
+                log.exception("publication_failed")
+            await asyncio.sleep(self._sleep_s(poll_s))
+
+    def _sleep_s(self, poll_s: float) -> float:
+        if self._cursor is None or self._unsent:
+            return poll_s
+        due = self._cursor + self.window_s + self.config.cloaking.max_update_age_s
+        return max(0.02, min(poll_s, due - self.clock()))
+
+    async def step(self) -> list[str]:
+        """Send what is committed but unsent, then process every due window; returns the ids committed."""
+        if self._unsent is None:
+            records = await asyncio.to_thread(self.ledger.records, limit=2**62, state=WindowState.COMMITTED)
+            self._unsent = [r.window_id for r in records]
+        await self._send_pending()
+        done: list[str] = []
+        while (window := await self._next_due()) is not None:
+            await self._process(window)
+            done.append(window.window_id)
+            await self._send_pending()
+        return done
+
+    async def _next_due(self) -> Window | None:
+        w = self.window_s
+        if self._cursor is None:
+            self._cursor = await asyncio.to_thread(self._initial_cursor)
+            if self._cursor is None:
+                return None
+        first_live = window_start(self.started_t, w)
+        if self._cursor < first_live:
+            # Windows that ended before this process started and hold no fix are skipped.
+            nxt = await asyncio.to_thread(self.ledger.first_fix_at_or_after, self._cursor)
+            jump = first_live if nxt is None else min(first_live, window_start(nxt, w))
+            self._cursor = max(self._cursor, jump)
+        if self._cursor + w + self.config.cloaking.max_update_age_s <= self.clock():
+            return Window(self._cursor, self._cursor + w)
+        return None
+
+    def _initial_cursor(self) -> int | None:
+        latest = self.ledger.latest_end()
+        if latest is not None:
+            return math.ceil(latest / self.window_s) * self.window_s
+        first = self.ledger.first_fix_at_or_after(-math.inf)
+        return None if first is None else window_start(first, self.window_s)
+
+    # -- one window ----------------------------------------------------------------------------
+    async def _process(self, window: Window) -> None:
+        # Every fix accepted so far was queued to the store before this point: wait until it is
+        # committed, so the window's input is complete.
+        await self.movement.writer.barrier()
+        rows = await asyncio.to_thread(self.movement.fixes_between, window.t_start, window.t_end)
+        release, n_few = await asyncio.to_thread(self._anonymize, rows)
+        status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
+        report: dict[str, Any] = {
+            "kcloak_version": __version__,
+            "window_id": window.window_id,
+            "t_start": window.t_start,
+            "t_end": window.t_end,
+            "published_t": self.clock(),
+            "status": status.value,
+            **release.report,
+        }
+        report["n_too_short"] += n_few
+        await asyncio.to_thread(self._write_files, window, release.table, report)
+        n_in, n_out = int(report["n_in"]), int(report["n_out"])
+        await asyncio.to_thread(self.ledger.commit, window, n_in=n_in, n_out=n_out, t=self.clock())
+        self._cursor = window.t_end
+        assert self._unsent is not None
+        self._unsent.append(window.window_id)
+        self.metrics.published_windows.labels(outcome=status.value).inc()
+        self.metrics.published_trajectories.inc(n_out)
+        self.metrics.trashed_trajectories.inc(int(report["n_trash"]))
+        log_event(
+            log,
+            "window_committed",
+            window_id=window.window_id,
+            status=status.value,
+            n_in=n_in,
+            n_out=n_out,
+            n_trash=int(report["n_trash"]),
+            runtime_s=round(float(report["runtime_s"]), 3),
+        )
+
+    def _anonymize(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+        """The window's release and the number of users left out for having < ``min_points`` fixes."""
+        pub = self.config.publish
+        users = np.array([r[0] for r in rows], dtype=str)
+        _, inverse, counts = np.unique(users, return_inverse=True, return_counts=True)
+        keep = counts[inverse] >= pub.min_points
+        n_few = int(np.count_nonzero(counts < pub.min_points))
+        table = FixTable(
+            users[keep],
+            np.array([r[1] for r in rows], dtype=np.float64)[keep],
+            np.array([r[2] for r in rows], dtype=np.float64)[keep],
+            np.array([r[3] for r in rows], dtype=np.float64)[keep],
+        )
+        params: dict[str, Any] = {
+            "method": pub.method,
+            "k": pub.k,
+            "delta_m": pub.delta_m,
+            "trash_max": pub.trash_max,
+            "pi_s": self.pi_s,
+        }
+        try:
+            return anonymize(table, **params), n_few
+        except Exception:  # a bug must not stall publication: the window is published empty
+            log.exception("window_anonymize_failed")
+            empty = FixTable(np.array([], dtype=str), np.array([]), np.array([]), np.array([]))
+            return anonymize(empty, **params), n_few
+
+    def _write_files(self, window: Window, table: FixTable, report: dict[str, Any]) -> None:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        csv_tmp = self.directory / f".{window.window_id}.csv.tmp"
+        json_tmp = self.directory / f".{window.window_id}.json.tmp"
+        write_contract_csv(csv_tmp, table)
+        _fsync_write(csv_tmp)
+        _fsync_write(json_tmp, (json.dumps(report, indent=1) + "\n").encode())
+        os.replace(csv_tmp, self.csv_path(window.window_id))
+        os.replace(json_tmp, self.report_path(window.window_id))
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # -- MQTT ----------------------------------------------------------------------------------
+    async def _send_pending(self) -> None:
+        assert self._unsent is not None
+        while self._unsent:
+            window_id = self._unsent[0]
+            if self.send is not None:
+                try:
+                    parts = await asyncio.to_thread(self.parts, window_id)
+                except (OSError, ValueError, KeyError) as exc:
+                    # Files removed or damaged by hand: left committed (tried again after a restart).
+                    log_event(log, "window_unreadable", logging.ERROR, window_id=window_id, error=type(exc).__name__)
+                    self._unsent.pop(0)
+                    continue
+                try:
+                    for payload in parts:
+                        await self.send(TOPIC, payload)
+                except (MqttIntakeError, OSError, TimeoutError) as exc:
+                    log_event(log, "window_send_failed", logging.WARNING, window_id=window_id, error=type(exc).__name__)
+                    return
+            await asyncio.to_thread(self.ledger.mark_sent, window_id, self.clock())
+            self._unsent.pop(0)
+            log_event(log, "window_sent", window_id=window_id, mqtt=self.send is not None)
+
+    def parts(self, window_id: str) -> list[bytes]:
+        """The MQTT messages of a committed window, built from its files (so a re-send is identical)."""
+        report = json.loads(self.report_path(window_id).read_text(encoding="utf-8"))
+        table = read_contract_csv(self.csv_path(window_id))
+        rows = [
+            [i, int(t) if t.is_integer() else t, la, lo]
+            for i, t, la, lo in zip(
+                table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist(), strict=True
+            )
+        ]
+        head = {
+            "window_id": window_id,
+            "t_start": report["t_start"],
+            "t_end": report["t_end"],
+            "method": report["method"],
+            "k": report["k"],
+            "delta": report["delta"],
+            "n_trajectories": report["n_out"],
+        }
+        per_part = PART_ROWS
+        while True:
+            chunks = [rows[i : i + per_part] for i in range(0, len(rows), per_part)] or [[]]
+            payloads = [
+                json.dumps(
+                    {**head, "part": n, "parts": len(chunks), "columns": list(COLUMNS), "rows": chunk},
+                    separators=(",", ":"),
+                ).encode()
+                for n, chunk in enumerate(chunks, start=1)
+            ]
+            if per_part == 1 or max(len(p) for p in payloads) <= PART_BYTES:
+                return payloads
+            per_part = max(1, per_part // 2)
+
+    # -- reading (HTTP) ------------------------------------------------------------------------
+    def csv_path(self, window_id: str) -> Path:
+        return self.directory / f"{window_id}.csv"
+
+    def report_path(self, window_id: str) -> Path:
+        return self.directory / f"{window_id}.json"
+
+    def report(self, window_id: str) -> dict[str, Any] | None:
+        """The report of a committed window, or None if there is no such window."""
+        if Window.parse(window_id) is None or self.ledger.get(window_id) is None:
+            return None
+        try:
+            data: dict[str, Any] = json.loads(self.report_path(window_id).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def published_csv(self, window_id: str) -> Path | None:
+        """The file of a committed window, or None if there is no such window."""
+        if Window.parse(window_id) is None or self.ledger.get(window_id) is None:
+            return None
+        path = self.csv_path(window_id)
+        return path if path.is_file() else None
+
+    def listing(self, *, since: int, limit: int) -> tuple[list[dict[str, Any]], int | None]:
+        """Window metas with ``t_start ≥ since`` (ascending) and the ``next_since`` of contract §4."""
+        records = self.ledger.records(since=since, limit=limit + 1)
+        more = records[limit] if len(records) > limit else None
+        metas: list[dict[str, Any]] = []
+        for rec in records[:limit]:
+            report = self.report(rec.window_id)
+            if report is None:
+                continue
+            metas.append(
+                {
+                    "window_id": rec.window_id,
+                    "t_start": rec.t_start,
+                    "t_end": rec.t_end,
+                    "method": report["method"],
+                    "k": report["k"],
+                    "delta": report["delta"],
+                    "n_in": report["n_in"],
+                    "n_out": report["n_out"],
+                    "published_t": report["published_t"],
+                    "status": report["status"],
+                    "csv": f"/v1/published/windows/{rec.window_id}.csv",
+                }
+            )
+        return metas, None if more is None else more.t_start
+
+
+__all__ = [
+    "TOPIC",
+    "PublicationError",
+    "Window",
+    "WindowLedger",
+    "WindowPublisher",
+    "WindowRecord",
+    "WindowState",
+    "WindowStatus",
+    "window_start",
+]

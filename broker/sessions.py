@@ -1,0 +1,224 @@
+"""Continuous-query sessions in memory (contract §6; CONCEPTS §6.5).
+
+A session belongs to one user, whatever the transport that started it, and holds what is fixed
+at its start: the query's ``kind`` and parameters, the effective profile E and the shared group
+(:class:`~cloaking.continuous.SharedGroup`, k-sharing with memorization). The table enforces
+``sessions.per_user`` active sessions per user and the ``idle_s`` / ``max_s`` expiry; sessions
+never touch the disk and do not survive a restart. Session ids are 128 random bits from
+:mod:`secrets` and never leave the broker except to their owner.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from broker.metrics import Metrics
+from broker.validation import Query
+from cloaking.continuous import SharedGroup
+from cloaking.profile import PrivacyProfile
+
+
+class SessionState(enum.StrEnum):
+    """The ``state`` of a session object (contract §6) and label of ``kcloak_sessions_closed_total``."""
+
+    ACTIVE = "active"
+    STOPPED = "stopped"
+    EXPIRED = "expired"
+    ENDED = "ended"
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One continuous query: what its start fixed, its group and its clock."""
+
+    session_id: str
+    user: str
+    kind: str
+    radius_m: float | None
+    n: int | None
+    category: str | None
+    profile: PrivacyProfile
+    group: SharedGroup
+    started_t: float
+    expires_t: float
+    last_refresh_t: float | None = None
+    refreshes: int = 0
+    state: SessionState = SessionState.ACTIVE
+
+    def mismatch(self, q: Query) -> str | None:
+        """The first field of a refresh that repeats a start parameter with another value, if any."""
+        if q.kind is not None and q.kind != self.kind:
+            return "kind"
+        if q.radius_m is not None and q.radius_m != self.radius_m:
+            return "radius_m"
+        if q.n is not None and q.n != self.n:
+            return "n"
+        if q.category is not None and q.category != self.category:
+            return "category"
+        return None
+
+    def brief(self) -> dict[str, Any]:
+        """The ``session`` member of an answer: id, state, and ``expires_t`` while active."""
+        out: dict[str, Any] = {"session_id": self.session_id, "state": self.state.value}
+        if self.state is SessionState.ACTIVE:
+            out["expires_t"] = self.expires_t
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The session object of the GET route (contract §6)."""
+        out: dict[str, Any] = {"session_id": self.session_id, "state": self.state.value, "kind": self.kind}
+        if self.kind == "range":
+            out["radius_m"] = self.radius_m
+        else:
+            out["n"] = self.n
+        out.update(
+            category=self.category,
+            started_t=self.started_t,
+            last_refresh_t=self.last_refresh_t,
+            expires_t=self.expires_t,
+            refreshes=self.refreshes,
+        )
+        return out
+
+
+class SessionTable:
+    """Active sessions of every user, with the per-user limit and expiry (contract §6).
+
+    Keyword arguments: ``metrics`` (``kcloak_sessions_active``, ``kcloak_sessions_closed_total``),
+    ``clock`` (Unix seconds), ``idle_s`` (a session with no refresh for this long expires, default
+    120), ``max_s`` (lifetime cap, default 3600), ``per_user`` (active sessions per user, default 4).
+    ``on_expired`` is called with every session closed ``expired`` (the broker publishes the
+    status message from it), whether the sweep of :meth:`expire_due` or a lookup found it.
+    """
+
+    def __init__(
+        self,
+        *,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        idle_s: float = 120.0,
+        max_s: float = 3600.0,
+        per_user: int = 4,
+    ) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.idle_s = idle_s
+        self.max_s = max_s
+        self.per_user = per_user
+        self.on_expired: Callable[[Session], None] | None = None
+        self._by_id: dict[str, Session] = {}
+        self._by_user: dict[str, dict[str, Session]] = {}
+        self._starting: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    # -- the per-user limit --------------------------------------------------------------------
+    def can_start(self, user: str) -> bool:
+        """True while the user has fewer than ``per_user`` active (or starting) sessions."""
+        own = self._by_user.get(user)
+        if own:
+            now = self.clock()
+            for s in [s for s in own.values() if now >= s.expires_t]:
+                self.close(s, SessionState.EXPIRED)
+        return len(self._by_user.get(user, ())) + self._starting.get(user, 0) < self.per_user
+
+    def reserve(self, user: str) -> bool:
+        """Hold a slot for a start in progress (give it back with :meth:`release` once opened or refused)."""
+        if not self.can_start(user):
+            return False
+        self._starting[user] = self._starting.get(user, 0) + 1
+        return True
+
+    def release(self, user: str) -> None:
+        left = self._starting.get(user, 0) - 1
+        if left <= 0:
+            self._starting.pop(user, None)
+        else:
+            self._starting[user] = left
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def open(self, user: str, q: Query, profile: PrivacyProfile, group: SharedGroup) -> Session:
+        """Register a session whose first region was forwarded; returns it (state ``active``)."""
+        assert q.kind is not None
+        now = self.clock()
+        sid = secrets.token_hex(16)
+        while sid in self._by_id:
+            sid = secrets.token_hex(16)
+        session = Session(
+            session_id=sid,
+            user=user,
+            kind=q.kind,
+            radius_m=q.radius_m,
+            n=q.n,
+            category=q.category,
+            profile=profile,
+            group=group,
+            started_t=now,
+            expires_t=now + min(self.idle_s, self.max_s),
+        )
+        self._by_id[sid] = session
+        self._by_user.setdefault(user, {})[sid] = session
+        self.metrics.sessions_active.set(len(self._by_id))
+        return session
+
+    def peek(self, user: str, session_id: str) -> Session | None:
+        """The user's session ``session_id`` if it is in the table (no expiry check)."""
+        session = self._by_id.get(session_id)
+        return session if session is not None and session.user == user else None
+
+    def get(self, user: str, session_id: str) -> Session | None:
+        """The user's active session ``session_id``; None when unknown, closed, expired or another
+        user's. A session found past its expiry is closed ``expired`` here."""
+        session = self.peek(user, session_id)
+        if session is None:
+            return None
+        if self.clock() >= session.expires_t:
+            self.close(session, SessionState.EXPIRED)
+            return None
+        return session
+
+    def touch(self, session: Session) -> None:
+        """A refresh reached the session: restart its idle clock (never past ``max_s``)."""
+        now = self.clock()
+        session.last_refresh_t = now
+        session.refreshes += 1
+        session.expires_t = min(now + self.idle_s, session.started_t + self.max_s)
+
+    def close(self, session: Session, state: SessionState) -> None:
+        """End an active session for good (``stopped``, ``expired`` or ``ended``)."""
+        if session.state is not SessionState.ACTIVE:
+            return
+        session.state = state
+        del self._by_id[session.session_id]
+        own = self._by_user[session.user]
+        del own[session.session_id]
+        if not own:
+            del self._by_user[session.user]
+        self.metrics.sessions_closed.labels(state=state.value).inc()
+        self.metrics.sessions_active.set(len(self._by_id))
+        if state is SessionState.EXPIRED and self.on_expired is not None:
+            self.on_expired(session)
+
+    def expire_due(self) -> int:
+        """Close every session whose expiry has passed; returns how many."""
+        now = self.clock()
+        due = [s for s in self._by_id.values() if now >= s.expires_t]
+        for s in due:
+            self.close(s, SessionState.EXPIRED)
+        return len(due)
+
+    def next_expiry(self) -> float | None:
+        return min((s.expires_t for s in self._by_id.values()), default=None)
+
+
+def session_status(session: Session, now: float) -> dict[str, Any]:
+    """The ``kind: "session"`` status message (MQTT ``kcloak/v1/status/{user}``) of a closed session."""
+    return {"kind": "session", "session_id": session.session_id, "state": session.state.value, "t": now}
+
+
+__all__ = ["Session", "SessionState", "SessionTable", "session_status"]
