@@ -1,0 +1,127 @@
+"""``kcloak demo`` (contract §9): flags → :class:`simulators.demo.DemoConfig` → :func:`simulators.demo.run_demo`.
+
+Exit codes: 0 when the report is written (also after Ctrl-C), 1 when a part cannot start (port
+in use, MQTT broker unreachable) or the report cannot be written, 2 for a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from broker.config import ALGORITHMS
+
+MAX_USERS = 100_000
+
+# The demo's settings (shown in --help, used by simulators.demo).
+DEMO_QUERIES_PER_MIN = 3.0
+"""Queries per simulated user per minute (``kcloak simulate`` defaults to 1)."""
+DEMO_QUERY_KIND = "range"
+"""Range queries (radius 200–2000 m): the reference LBS answers them several times faster than
+knn, whose inclusive candidate set over a region costs tens of milliseconds (contract §5)."""
+DEMO_PUBLISH_WINDOW_S = 20
+"""Live trajectory-publication windows (shipped: 900 s), so that a one-minute run publishes some."""
+DEMO_MAX_UPDATE_AGE_S = 15.0
+"""``cloaking.max_update_age_s`` (shipped: 120 s): a window closes this long after its end (§7)."""
+DEMO_USERS_PER_KM2 = 15.0
+"""User density of the demo area (a square around central Beijing sized for ``--users``)."""
+DEMO_MAX_AREA_SIDE_KM = 14.5
+"""Largest demo area side: about the 3rd Ring Road."""
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be an integer") from None
+    if not 1 <= n <= MAX_USERS:
+        raise argparse.ArgumentTypeError(f"must be within [1, {MAX_USERS}]")
+    return n
+
+
+def _duration(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not (math.isfinite(s) and 1.0 <= s <= 86_400.0):
+        raise argparse.ArgumentTypeError("must be within [1, 86400] seconds")
+    return s
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``demo`` on the ``kcloak`` subcommand parser."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "demo",
+        help="see kcloak work in one minute: broker, LBS and simulated Beijing users, with a report",
+        description=(
+            "Start the kcloak broker (embedded MQTT) and the reference LBS with the bundled Beijing POIs "
+            "on free loopback ports over a temporary data directory, drive simulated users along the "
+            "Beijing streets with a mix of privacy profiles (k = 5, 10, 20), show live progress, stop "
+            "after --duration (or Ctrl-C), print a summary and write a report folder: summary.json, "
+            "map.png (users and recent cloaked regions over the streets), cloak_area.png, achieved_k.png, "
+            "latency.png."
+        ),
+        epilog=(
+            "Demo settings: users drive on the streets of a square around central Beijing sized for "
+            f"{DEMO_USERS_PER_KM2:g} users per km2 (at most {DEMO_MAX_AREA_SIDE_KM:g} km wide, about the 3rd Ring "
+            "Road; 3000 users fill it); each sends a fix every second and {DEMO_QUERIES_PER_MIN:g} {DEMO_QUERY_KIND} "
+            "queries a minute (Poisson, radius 200-2000 m; kcloak simulate defaults to 1 query a minute, "
+            "mixed range and knn), so that one minute yields thousands of answers for the distributions. "
+            f"Trajectory publication uses {DEMO_PUBLISH_WINDOW_S} s windows closed {DEMO_MAX_UPDATE_AGE_S:g} s "
+            "after their end (shipped: 900 s and 120 s) so that a one-minute run publishes some. "
+            "In summary.json: queries counts queries sent, ok and refused count answers, "
+            "success_rate = ok / (ok + refused), latency is query due -> answer received (p50, p99), "
+            "cloak_area_m2_median and achieved_k_mean are over ok answers, duration_s is the time users ran."
+        ),
+    )
+    p.add_argument("--users", type=_positive_int, default=3000, metavar="N", help="simulated users (3000)")
+    p.add_argument("--duration", type=_duration, default=60.0, metavar="S", help="seconds of simulation (60)")
+    p.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default="hilbert",
+        metavar="NAME",
+        help="cloaking algorithm: " + ", ".join(ALGORITHMS) + " (hilbert)",
+    )
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=Path("kcloak-demo-report"),
+        metavar="DIR",
+        help="report folder (./kcloak-demo-report)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live table on stderr (also off when not a TTY)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from broker.logs import setup_logging
+    from broker.service import StartupError
+    from simulators.demo import DemoConfig, print_summary, run_demo
+    from simulators.transport import TransportError
+
+    err = Console(stderr=True)
+    report: Path = args.report
+    if report.exists() and not report.is_dir():
+        print(f"kcloak demo: error: --report: {report} exists and is not a folder", file=sys.stderr)
+        return 2
+    cfg = DemoConfig(users=args.users, duration_s=args.duration, algorithm=args.algorithm, report_dir=report)
+    setup_logging("warning", "text")
+    live = not args.no_progress and sys.stderr.isatty()
+    try:
+        result = asyncio.run(run_demo(cfg, live=live, console=err))
+    except (StartupError, TransportError) as exc:
+        print(f"kcloak demo: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"kcloak demo: error: {exc.strerror or type(exc).__name__}", file=sys.stderr)
+        return 1
+    print_summary(result, cfg, Console(width=None if sys.stdout.isatty() else 120))
+    return 0

@@ -1,0 +1,182 @@
+"""``kcloak demo``: end to end through ``broker.cli.main``, Ctrl-C, flags, and the street crop it drives on."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from broker.cli import main
+from simulators.demo import crop_streets, demo_area, street_chains, write_osm
+from simulators.streets import StreetGraph, parse_osm
+
+CONTRACT_KEYS = [
+    "users",
+    "duration_s",
+    "algorithm",
+    "updates",
+    "updates_per_s",
+    "queries",
+    "ok",
+    "refused",
+    "success_rate",
+    "refusals",
+    "cloak_area_m2_median",
+    "achieved_k_mean",
+    "latency_ms_p50",
+    "latency_ms_p99",
+    "published_windows",
+]
+FILES = ("summary.json", "map.png", "cloak_area.png", "achieved_k.png", "latency.png")
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _check_report(report: Path, users: int) -> dict[str, Any]:
+    for name in FILES:
+        assert (report / name).is_file(), name
+    for name in FILES[1:]:
+        with Image.open(report / name) as img:
+            img.verify()
+    s: dict[str, Any] = json.loads((report / "summary.json").read_text())
+    assert list(s) == CONTRACT_KEYS
+    assert s["users"] == users and s["algorithm"] == "hilbert"
+    # Every query gets exactly one answer (contract §2), and the counts add up.
+    assert s["queries"] == s["ok"] + s["refused"]
+    assert s["refused"] == sum(s["refusals"].values())
+    # Every step sends one fix per user.
+    assert s["updates"] > 0 and s["updates"] % users == 0
+    assert s["updates_per_s"] == pytest.approx(s["updates"] / s["duration_s"], rel=0.02)
+    if s["ok"] + s["refused"]:
+        assert s["success_rate"] == pytest.approx(s["ok"] / (s["ok"] + s["refused"]), abs=1e-4)
+    if s["ok"]:
+        assert s["achieved_k_mean"] >= 5  # the smallest k of the profile mix
+        assert 0 < s["cloak_area_m2_median"] <= 4e6  # the default max_area_m2
+    assert s["latency_ms_p50"] is None or s["latency_ms_p50"] <= s["latency_ms_p99"]
+    assert isinstance(s["published_windows"], int) and s["published_windows"] >= 0
+    return s
+
+
+def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report"
+    t0 = time.monotonic()
+    code = main(["demo", "--users", "200", "--duration", "8", "--report", str(report), "--no-progress"])
+    elapsed = time.monotonic() - t0
+    assert code == 0
+    s = _check_report(report, 200)
+    assert 6.0 <= s["duration_s"] <= 9.0
+    assert s["updates"] >= 200 * 6
+    assert s["queries"] > 0 and s["ok"] > 0  # 200 users in a 3.7 km square: k = 5..20 is reachable
+    assert elapsed < 90
+    out = capsys.readouterr()
+    assert "kcloak demo summary" in out.out
+    assert "[3/4]" in out.err
+
+
+def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "broker.cli", "demo", "--users", "200", "--duration", "120", "--report", str(report)]
+    proc = subprocess.Popen(cmd, cwd=CHECKOUT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:
+            if "users are moving" in line or time.monotonic() > deadline:
+                break
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    s = _check_report(report, 200)
+    assert 1.0 < s["duration_s"] < 30
+    assert "stopped early" in out
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--users", "0"], ["--users", "x"], ["--duration", "0"], ["--duration", "nan"], ["--algorithm", "nope"]],
+)
+def test_bad_flags_exit_2(flags: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *flags])
+    assert exc.value.code == 2
+
+
+def test_report_path_that_is_a_file_exits_2(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["demo", "--report", str(f), "--no-progress"]) == 2
+
+
+def test_demo_area_keeps_the_density() -> None:
+    for users, want_side_km in ((200, math.sqrt(200 / 15)), (1000, math.sqrt(1000 / 15)), (10, 2.0), (50_000, 14.5)):
+        lo_lon, lo_lat, hi_lon, hi_lat = demo_area(users)
+        side_ns = math.radians(hi_lat - lo_lat) * 6371.0088
+        side_ew = math.radians(hi_lon - lo_lon) * 6371.0088 * math.cos(math.radians((lo_lat + hi_lat) / 2))
+        assert side_ns == pytest.approx(want_side_km, rel=1e-3)
+        assert side_ew == pytest.approx(want_side_km, rel=1e-3)
+        assert lo_lon < 116.397 < hi_lon and lo_lat < 39.905 < hi_lat  # Tiananmen inside
+
+
+TINY = b"""<?xml version='1.0'?>
+<osm version="0.6">
+  <node id="1" lat="39.900" lon="116.390"/>
+  <node id="2" lat="39.900" lon="116.400"/>
+  <node id="3" lat="39.910" lon="116.400"/>
+  <node id="4" lat="39.910" lon="116.390"/>
+  <node id="5" lat="39.920" lon="116.395"/>
+  <node id="6" lat="39.980" lon="116.500"/>
+  <way id="10"><nd ref="1"/><nd ref="2"/><nd ref="3"/><tag k="highway" v="primary"/></way>
+  <way id="11"><nd ref="3"/><nd ref="4"/><nd ref="1"/><tag k="highway" v="residential"/><tag k="oneway" v="yes"/></way>
+  <way id="12"><nd ref="4"/><nd ref="5"/><nd ref="3"/><tag k="highway" v="service"/></way>
+  <way id="13"><nd ref="5"/><nd ref="6"/><tag k="highway" v="primary"/></way>
+</osm>
+"""
+
+
+def _edges(g: StreetGraph) -> set[tuple[int, int, str, float, float]]:
+    """Directed edges by OSM node ids, with class, length and speed (independent of node order)."""
+    return {
+        (int(g.node_id[t]), int(g.node_id[h]), g.highway[c], round(float(length), 6), round(float(speed), 9))
+        for t, h, c, length, speed in zip(g.tail, g.head, g.edge_class, g.length_m, g.speed_mps, strict=True)
+    }
+
+
+def test_written_osm_reads_back_as_the_same_graph(tmp_path: Path) -> None:
+    graph = parse_osm(io.BytesIO(TINY))
+    chains = street_chains(graph)
+    # Chains cover every street segment exactly once.
+    pairs = [(a, b) for nodes, _, _ in chains for a, b in itertools.pairwise(nodes)]
+    undirected = {(min(a, b), max(a, b)) for a, b in zip(graph.tail.tolist(), graph.head.tolist(), strict=True)}
+    assert len(pairs) == len(undirected)
+    assert {(min(a, b), max(a, b)) for a, b in pairs} == undirected
+    assert len(chains) < len(pairs)  # segments were joined
+    path = tmp_path / "g.osm"
+    write_osm(graph, path)
+    assert _edges(parse_osm(path)) == _edges(graph)
+
+
+def test_crop_keeps_the_largest_component_inside_the_box(tmp_path: Path) -> None:
+    graph = parse_osm(io.BytesIO(TINY))
+    crop = crop_streets(graph, (116.385, 39.895, 116.41, 39.925))
+    assert sorted(crop.node_id.tolist()) == [1, 2, 3, 4, 5]  # node 6 is outside
+    assert np.all((crop.lon > 116.385) & (crop.lat < 39.925))
+    path = tmp_path / "crop.osm"
+    write_osm(crop, path)
+    assert _edges(parse_osm(path)) == _edges(crop)
