@@ -22,6 +22,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "broker.lbs_cli",
     "broker.bench_cli",
     "streams.anonymize_cli",
+    "streams.bench_cli",
     "cloaking.audit_cli",
     "simulators.demo_cli",
     "simulators.cli",

@@ -10,21 +10,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from broker import __version__
 from broker.cli import UsageError
-from streams.kdelta import KDeltaError
-from streams.publish import METHODS, anonymize
-from streams.readers import FORMATS, ReaderError, read_fixes, write_contract_csv
 
 CONTRACT_METHODS = ("nwa", "w4m", "microagg")
+
+# Spelled out so that building the ``kcloak`` parser imports neither numpy nor scipy; tests check
+# them against streams.readers.FORMATS and streams.kdelta.w4m (DEFAULT_TAU_S, Distance). The
+# algorithms are imported when the command runs.
+FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
+DEFAULT_TAU_S = 60.0
+DISTANCES: tuple[str, ...] = ("edr", "lst")
 
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "anonymize",
-        help="publish trajectories only as (k,δ)-anonymous ones (Never Walk Alone, microaggregation)",
+        help="publish trajectories only as (k,δ)-anonymous ones (Never Walk Alone, Wait For Me, microaggregation)",
         description=(
             "Read trajectories (contract CSV, GeoLife .plt folders, GPX or AIS CSV), anonymize them so that "
             "every published trajectory has at least k−1 others within delta metres at every instant, and "
@@ -36,20 +38,32 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-o", dest="output", required=True, metavar="OUTPUT", help="published CSV (.gz allowed)")
     p.add_argument("--k", type=int, required=True, metavar="K", help="group size k (≥ 2)")
     p.add_argument("--delta", type=float, required=True, metavar="M", help="delta in metres")
-    p.add_argument("--method", default="nwa", metavar="NAME", help="nwa (default) or microagg")
+    p.add_argument("--method", default="nwa", metavar="NAME", help="nwa (default), w4m or microagg")
     p.add_argument("--format", choices=FORMATS, default=None, help="input format (default: by suffix or folder)")
     p.add_argument("--trash-max", type=float, default=0.1, metavar="F", help="largest trashed fraction (0.1)")
     p.add_argument("--report", metavar="FILE.json", help="write the report (contract §7 fields) here")
     p.add_argument("--mapping", metavar="FILE.csv", help="audit only: write published_id,traj_id")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of ids and row order (random)")
+    p.add_argument(
+        "--tau-s", type=float, default=None, metavar="S", help=f"w4m: time tolerance of a match ({DEFAULT_TAU_S:g} s)"
+    )
+    p.add_argument("--distance", choices=DISTANCES, default="edr", help="w4m: edit distance (edr)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from streams.kdelta import KDeltaError
+    from streams.publish import METHODS, anonymize
+    from streams.readers import ReaderError, read_fixes, write_contract_csv
+
     if args.method not in CONTRACT_METHODS:
         raise UsageError(f"--method: must be one of {', '.join(CONTRACT_METHODS)}")
     if args.method not in METHODS:
-        raise UsageError(f"--method {args.method}: not available in this version (use nwa or microagg)")
+        raise UsageError(f"--method {args.method}: not available in this version")
+    if args.tau_s is not None and not (math.isfinite(args.tau_s) and args.tau_s >= 0):
+        raise UsageError("--tau-s: must be a finite number of seconds ≥ 0")
     if args.k < 2:
         raise UsageError("--k: must be an integer ≥ 2")
     if not math.isfinite(args.delta) or args.delta < 0:
@@ -65,7 +79,14 @@ def run(args: argparse.Namespace) -> int:
     with err.status(f"anonymizing {len(fixes.t)} fixes with {args.method} (k={args.k}, delta={args.delta:g} m)"):
         try:
             release = anonymize(
-                fixes, method=args.method, k=args.k, delta_m=args.delta, trash_max=args.trash_max, seed=args.seed
+                fixes,
+                method=args.method,
+                k=args.k,
+                delta_m=args.delta,
+                trash_max=args.trash_max,
+                seed=args.seed,
+                tau_s=args.tau_s,
+                distance=args.distance,
             )
         except KDeltaError as exc:
             raise UsageError(str(exc)) from None

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from streams.kdelta import KDeltaResult
+from streams.kdelta import KDeltaError, KDeltaResult
 from streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
 from streams.readers import FixTable
 from streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
-METHODS: tuple[str, ...] = ("nwa", "microagg")
-"""Methods :func:`anonymize` runs (``w4m`` is not implemented yet)."""
+METHODS: tuple[str, ...] = ("nwa", "w4m", "microagg")
+"""Methods :func:`anonymize` runs (contract §9 ``--method``)."""
 
 
 def _rng(seed: int | None) -> random.Random:
@@ -81,10 +81,12 @@ def anonymization_report(
     """The contract §7 report fields (provenance fields ``kcloak_version``, ``input``… are the CLI's)."""
     moved = translation_m(result.originals, result.published)
     total = float(moved.sum())
+    shifts = [np.abs(p.t - o.t) for o, p in zip(result.originals, result.published, strict=True)]
+    shift_all = np.concatenate(shifts) if shifts else np.zeros(0)
     n_points_out = len(published)
     sizes = [len(g) for g in result.groups]
     n_in = len(inputs)
-    return {
+    report: dict[str, Any] = {
         "seed": seed,
         "method": method,
         "k": k,
@@ -103,13 +105,18 @@ def anonymization_report(
         "group_size_mean": float(np.mean(sizes)) if sizes else 0.0,
         "total_translation_m": total,
         "mean_translation_m": total / n_points_out if n_points_out else 0.0,
-        "time_distortion_s": 0.0,
+        "time_distortion_s": float(shift_all.sum()),
         "range_query_distortion": range_query_distortion(
             fixes_of(inputs), published, n_queries=range_queries, seed=0 if seed is None else seed
         ),
         "range_queries": range_queries,
         "runtime_s": runtime_s,
     }
+    if method == "w4m":  # CONCEPTS §7.4 extra measures (an extension of the contract §7 report)
+        report["n_inserted"] = int(getattr(result, "n_inserted", 0))
+        report["n_deleted"] = int(getattr(result, "n_deleted", 0))
+        report["time_shift_max_s"] = float(shift_all.max()) if len(shift_all) else 0.0
+    return report
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -132,19 +139,28 @@ def anonymize(
     pi_s: float = 60.0,
     seed: int | None = None,
     range_queries: int = RANGE_QUERIES,
+    tau_s: float | None = None,
+    distance: str = "edr",
 ) -> Release:
     """Read-to-release pipeline of ``kcloak anonymize`` (contract §7): model, algorithm, randomization, report.
 
     ``ok`` is false (and ``table`` empty) when fewer than k trajectories are eligible or the trash would
-    exceed ``trash_max``: the caller then exits 1 / publishes the window empty.
+    exceed ``trash_max``: the caller then exits 1 / publishes the window empty. ``tau_s`` (time tolerance,
+    default :data:`~streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
     """
     from streams.kdelta.microagg import microaggregate
     from streams.kdelta.nwa import nwa
+    from streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
 
     started = time.perf_counter()
     inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))
     if method == "nwa":
         result = nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max)
+    elif method == "w4m":
+        if distance not in tuple(Distance):
+            raise KDeltaError(f"distance: must be one of {', '.join(Distance)}")
+        tau = DEFAULT_TAU_S if tau_s is None else tau_s
+        result = w4m(inputs, k=k, delta_m=delta_m, trash_max=trash_max, tau_s=tau, distance=distance)
     elif method == "microagg":
         result = microaggregate(inputs, k=k, delta_m=delta_m, trash_max=trash_max)
     else:

@@ -27,7 +27,8 @@ class KDeltaError(ValueError):
 class KDeltaResult:
     """Outcome of a (k,δ) algorithm (CONCEPTS §7.3, §7.8).
 
-    ``published[i]`` replaces ``originals[i]`` (the input resampled at the published instants, same id);
+    ``published[i]`` replaces ``originals[i]`` (the input resampled at the published instants, same id;
+    for W4M, the input at each point's source instant, so ``|t_out − t_in|`` is the time shift);
     ``groups`` are index tuples into ``published``; ``trash`` holds the ids never published;
     ``trash_limit`` is ``floor(trash_max · n_in)``. When :attr:`ok` is false nothing may be published.
     """
