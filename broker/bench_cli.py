@@ -7,9 +7,6 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from broker.cli import UsageError
 from cloaking.bench_cli import bench_subparsers
 
@@ -38,6 +35,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from broker.bench import BrokerBenchConfig, run_broker_bench
 
     if args.duration <= 0 or args.users < 10 or args.clients < 1:

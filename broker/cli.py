@@ -49,12 +49,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in _COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
+    _tag_subparsers(parser)
     return parser
+
+
+def _tag_subparsers(parser: argparse.ArgumentParser) -> None:
+    """Let every (sub)command's namespace name its parser, so usage errors show that command's usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.set_defaults(_kcloak_parser=child)
+                _tag_subparsers(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # "kcloak simulate: error: unrecognized arguments: …" with simulate's usage, exit 2
+        owner: argparse.ArgumentParser = getattr(args, "_kcloak_parser", parser)
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code: int = args.func(args)
     except UsageError as exc:

@@ -8,17 +8,20 @@ address cannot be bound, 0 after SIGINT/SIGTERM.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker import __version__
-from broker.lbs_server import LbsServer
 from broker.logs import log_event, setup_logging
-from cloaking.places import PoiFileError, PoiSet, load_pois
+
+if TYPE_CHECKING:
+    from cloaking.places import PoiSet
+
+# The server (aiohttp), the POI layer (numpy) and asyncio are imported when the command runs, so
+# that ``kcloak --help`` stays fast.
 
 log = logging.getLogger("kcloak.lbs")
 
@@ -61,6 +64,10 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the POIs, then serve until SIGINT/SIGTERM."""
+    import asyncio
+
+    from cloaking.places import PoiFileError, load_pois
+
     host, port = args.http
     setup_logging(args.log_level)
     try:
@@ -77,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(pois: PoiSet, host: str, port: int) -> int:
+    import asyncio
+
+    from broker.lbs_server import LbsServer
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broker.auth import TokensFileError, TokenStore
-from broker.config import Config, ConfigError, is_loopback, parse_listen
 from broker.logs import log_event, setup_logging
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from broker.auth import TokenStore
+    from broker.config import Config
+
+# broker.auth, broker.config (numpy through the profile) and asyncio are imported when the
+# command runs, so that ``kcloak --help`` stays fast.
 
 log = logging.getLogger("kcloak.serve")
 
@@ -90,6 +96,8 @@ def add_parser(sub: Any) -> None:
 
 
 def effective_config(args: argparse.Namespace) -> Config:
+    from broker.config import Config
+
     cfg = Config.from_toml_file(args.config) if args.config else Config()
     values: dict[str, Any] = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()}
     if args.mqtt is not None:
@@ -100,6 +108,8 @@ def effective_config(args: argparse.Namespace) -> Config:
 
 
 def resolve_tokens(cfg: Config) -> tuple[TokenStore | None, str | None]:
+    from broker.auth import TokenStore
+
     path = cfg.auth.tokens
     if not path:
         default = Path(cfg.storage.data_dir) / "tokens"
@@ -111,6 +121,8 @@ def resolve_tokens(cfg: Config) -> tuple[TokenStore | None, str | None]:
 
 def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
     """Refuse to listen beyond loopback in open mode (contract §9)."""
+    from broker.config import ConfigError, is_loopback, parse_listen
+
     if tokens is not None:
         return
     if cfg.http.listen != "none" and not is_loopback(parse_listen(cfg.http.listen)[0]):
@@ -120,6 +132,11 @@ def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from broker.auth import TokensFileError
+    from broker.config import ConfigError
+
     try:
         cfg = effective_config(args)
         if args.print_config:
@@ -150,6 +167,8 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None) -> int:
+    import asyncio
+
     from broker.service import Broker, StartupError
 
     try:

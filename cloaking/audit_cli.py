@@ -13,26 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-
 from broker.cli import UsageError
-from cloaking.audit import (
-    DEFAULT_KS,
-    DEFAULT_SYNTHETIC_USERS,
-    AuditConfig,
-    AuditError,
-    AuditReport,
-    run_audit,
-    synthetic_world,
-    trace_world,
-    write_figures,
-)
-from cloaking.cloakers import SPATIAL_ALGORITHMS
-from streams.readers import FORMATS, ReaderError, read_fixes
+from cloaking.bench_cli import SPATIAL_ALGORITHMS
 
 if TYPE_CHECKING:
+    from cloaking.audit import AuditReport
+
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+# Spelled out so that building the ``kcloak`` parser imports neither numpy nor the attacks; tests
+# check them against cloaking.audit (DEFAULT_KS, DEFAULT_SYNTHETIC_USERS) and streams.readers.FORMATS.
+DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
+DEFAULT_SYNTHETIC_USERS = 3000
+FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
 
 TRAJECTORY_METHODS = ("nwa", "w4m", "microagg")
 
@@ -139,6 +132,7 @@ def _progress(show: bool) -> Iterator[Any]:
     if not show:
         yield None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as RichProgress
 
@@ -156,6 +150,9 @@ def _progress(show: bool) -> Iterator[Any]:
 
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
+    from cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
+    from streams.readers import ReaderError, read_fixes
+
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
     ks = _ints(args.k, "--k")
     if args.snapshots < 1:
@@ -194,6 +191,9 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
 
 
 def print_cloaking_table(report: AuditReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     out = Console(width=None if sys.stdout.isatty() else 140)
     table = Table(
         title=f"audit cloaking — {report.world.get('source')}, seed {report.config.seed}", title_justify="left"
@@ -234,8 +234,12 @@ def read_mapping(path: str) -> dict[str, str]:
 
 def run_audit_trajectories(args: argparse.Namespace) -> int:
     """``kcloak audit trajectories``: exit 1 when PUBLISHED is not (k,δ)-anonymous (report still written)."""
+    from rich.console import Console
+    from rich.table import Table
+
     from streams.attacks import LinkageError, audit_trajectories, write_trajectory_figures
     from streams.kdelta import KDeltaError
+    from streams.readers import ReaderError, read_fixes
 
     if args.k < 1:
         raise UsageError("--k: must be at least 1")

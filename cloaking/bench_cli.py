@@ -18,34 +18,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgressBar
-from rich.table import Table
-
 from broker.cli import UsageError
-from cloaking.bench import (
-    DEFAULT_K_SPREAD,
-    K_LEVEL_WEIGHTS,
-    BenchError,
-    CloakBenchConfig,
-    CloakBenchReport,
-    NullProgress,
-    Population,
-    Progress,
-    clustered_population,
-    k_levels,
-    run_cloak_bench,
-    snapshot_population,
-)
-from cloaking.cloakers import SPATIAL_ALGORITHMS
-from cloaking.profile import MAX_AREA_CAP_M2
-from streams.readers import ReaderError, read_fixes
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress as RichProgressBar
+
+    from cloaking.bench import CloakBenchConfig, CloakBenchReport, Population, Progress
+
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_USERS = 100_000
+
+# Spelled out so that building the ``kcloak`` parser imports neither numpy nor the cloakers (every
+# ``*_cli`` module imports this one); tests check them against cloaking.cloakers.SPATIAL_ALGORITHMS
+# and cloaking.bench. The benchmark itself imports the real ones when it runs.
+SPATIAL_ALGORITHMS: tuple[str, ...] = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid")
+K_LEVEL_WEIGHTS: tuple[float, float, float] = (0.25, 0.5, 0.25)
+DEFAULT_K_SPREAD = 0.5
 
 
 def bench_subparsers(subparsers: SubParsers) -> SubParsers:
@@ -54,7 +44,7 @@ def bench_subparsers(subparsers: SubParsers) -> SubParsers:
     if bench is None:
         bench = subparsers.add_parser(
             "bench",
-            help="benchmarks (cloak, …)",
+            help="benchmarks: cloak, broker, lbs, anonymize, simulate, release",
             description="Benchmarks. Each prints a readable table, or with --json exactly one JSON "
             'object {"bench": NAME, "results": [...]} on stdout; progress goes to stderr.',
         )
@@ -137,6 +127,8 @@ def add_parser(subparsers: SubParsers) -> None:
 # -- running ----------------------------------------------------------------------------------
 def parse_algorithms(text: str) -> tuple[str, ...]:
     """Comma-separated algorithm names, checked against the registry, duplicates dropped."""
+    from cloaking.cloakers import SPATIAL_ALGORITHMS
+
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
         raise UsageError("--algorithms: name at least one algorithm")
@@ -148,6 +140,9 @@ def parse_algorithms(text: str) -> tuple[str, ...]:
 
 def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
+    from cloaking.bench import CloakBenchConfig
+    from cloaking.profile import MAX_AREA_CAP_M2
+
     if not 1 <= args.k <= 1000:
         raise UsageError("--k: must be within [1, 1000]")
     if not 0 <= args.k_spread < 1:
@@ -180,6 +175,9 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
 
 def load_population(args: argparse.Namespace, seed: int) -> Population:
     """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
+    from cloaking.bench import BenchError, clustered_population, snapshot_population
+    from streams.readers import ReaderError, read_fixes
+
     try:
         if args.data is None:
             return clustered_population(args.users if args.users is not None else DEFAULT_USERS, seed=seed)
@@ -192,6 +190,8 @@ def load_population(args: argparse.Namespace, seed: int) -> Population:
 
 def run_bench_cloak(args: argparse.Namespace) -> int:
     """``kcloak bench cloak``: 0 when at least one algorithm was measured, else 1."""
+    from cloaking.bench import run_cloak_bench
+
     config = config_from_args(args)
     pop = load_population(args, config.seed)
     show = not args.no_progress and sys.stderr.isatty()
@@ -226,9 +226,15 @@ class RichProgress:
 
 @contextmanager
 def _progress(show: bool) -> Iterator[Progress]:
+    from cloaking.bench import NullProgress
+
     if not show:
         yield NullProgress()
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as RichProgressBar
+
     bar = RichProgressBar(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -248,6 +254,11 @@ def _fmt(v: Any, spec: str) -> str:
 
 def print_table(report: CloakBenchReport, console: Console | None = None) -> None:
     """The report as a table on stdout (``--json`` absent)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from cloaking.bench import k_levels
+
     out = console if console is not None else Console(width=None if sys.stdout.isatty() else 160)
     d = report.to_json()
     pop = d["population"]

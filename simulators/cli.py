@@ -1,42 +1,48 @@
 """``kcloak simulate``, ``kcloak replay``, ``kcloak load`` and ``kcloak bench simulate`` (contract §9).
 
 Thin parsing only: the work is done by :mod:`simulators.traffic`, :mod:`simulators.replay`,
-:mod:`simulators.load` and :mod:`simulators.bench`. Exit codes: 0 success, 1 broker unreachable
-or connection lost, 2 bad flags or input. ``--json`` prints one object on stdout; progress bars
-go to stderr (off with ``--no-progress`` or when stderr is not a TTY).
+:mod:`simulators.load` and :mod:`simulators.bench`, imported when a command runs so that
+``kcloak --help`` stays fast. Exit codes: 0 success, 1 broker unreachable, not kcloak
+(:mod:`simulators.preflight`) or connection lost, 2 bad flags or input. ``--json`` prints one
+object on stdout; progress bars go to stderr (off with ``--no-progress`` or when stderr is not a TTY).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import math
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from broker.cli import UsageError
 from cloaking.bench_cli import bench_subparsers
-from simulators.bench import MODELS
-from simulators.traffic import QUERY_KINDS, SimulationInputError
-from simulators.transport import TransportError
-from streams.readers import FORMATS
 
 if TYPE_CHECKING:
+    from simulators.transport import TransportError
+
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+# Choices spelled out here so that ``kcloak --help`` imports no simulator module (numpy, scipy);
+# tests check them against simulators.bench.MODELS, simulators.traffic.QUERY_KINDS and
+# streams.readers.FORMATS.
+MODELS: tuple[str, ...] = ("waypoint", "street", "hotspot")
+QUERY_KINDS: tuple[str, ...] = ("range", "knn", "mix")
+FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
 
 T = TypeVar("T")
 
 CLIENT_EPILOG = (
-    "--broker URL is mqtt://HOST[:PORT] (default port 1883) or http://HOST[:PORT] (default port 8470). "
-    "--tokens FILE holds plaintext user:token lines: the client then acts as those users, each on its own "
-    "topic or route with its own credentials; without it (open mode) one gateway connection carries every "
-    "user. Exit codes: 0 success, 1 broker unreachable or connection lost, 2 bad flags or input."
+    "--broker URL is mqtt://HOST[:PORT] (default port 1883) or http://HOST[:PORT] (default port\n"
+    '8470); the broker must answer as kcloak (retained kcloak/v1/broker/status "up" over MQTT,\n'
+    "GET /healthz over HTTP). --tokens FILE holds plaintext user:token lines: the client then acts\n"
+    "as those users, each on its own topic or route with its own credentials; without it (open\n"
+    "mode) one gateway connection carries every user. Progress goes to stderr (off when stderr is\n"
+    "not a terminal). Exit codes: 0 success, 1 broker unreachable, not kcloak or connection lost,\n"
+    "2 bad flags or input."
 )
 
 
@@ -95,11 +101,11 @@ def add_parser(subparsers: SubParsers) -> None:
     p.add_argument("input", type=Path, metavar="INPUT", help="file or GeoLife folder")
     p.add_argument("--format", choices=FORMATS, default=None, help="input format (by suffix / folder / header)")
     p.add_argument("--speed", type=float, default=1.0, metavar="F", help="time acceleration (1.0)")
-    p.add_argument("--interpolate", type=float, default=None, metavar="S", help="resample every S source seconds")
+    p.add_argument("--interpolate", type=float, default=None, metavar="S", help="resample every S source seconds (off)")
     p.add_argument("--queries-per-min", type=float, default=0.0, metavar="Q", help="queries per active user/min (0)")
     p.add_argument("--query-kind", choices=QUERY_KINDS, default="mix", help="range, knn or mix (mix)")
-    p.add_argument("--user-prefix", default="r", metavar="P", help="user id prefix in open mode (r)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="send only the first N fixes")
+    p.add_argument("--user-prefix", default="r", metavar="P", help="user ids P000001… in open mode (r)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="send only the N earliest fixes (all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for queries (random)")
     _client_flags(p)
     p.set_defaults(func=run_replay_cmd)
@@ -139,19 +145,25 @@ def add_parser(subparsers: SubParsers) -> None:
             "--duration seconds), then {transport, updates_per_s, broker_accepted_per_s} for mqtt and "
             "http: one simulator process sends open-mode batches as fast as possible to a real kcloak "
             "serve (spawned, with mosquitto when on PATH) and the broker's kcloak_updates_accepted_total "
-            "gives what it accepted; simulator_only_updates_per_s is the simulator with no network."
+            "gives what it accepted; simulator_only_updates_per_s is the simulator with no network. "
+            'JSON: {"bench": "simulate", "users", "duration_s", "results": [row, ...]}. Phases are logged on '
+            "stderr. Exit codes: 0 success, 1 the spawned broker failed, 2 bad flags."
         ),
     )
     p.add_argument("--users", type=int, default=100_000, metavar="N", help="simulated users (100000)")
     p.add_argument("--duration", type=float, default=10.0, metavar="S", help="seconds per row (10)")
     p.add_argument("--models-only", action="store_true", help="skip the transport rows (no broker)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no phase lines on stderr")
     p.set_defaults(func=run_bench_simulate)
 
 
 # -- helpers -----------------------------------------------------------------------------------
 @contextmanager
 def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     err = Console(stderr=True)
     if not enabled or not err.is_terminal:
         yield None
@@ -167,9 +179,29 @@ def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] 
         yield update
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
+def _run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
+
+    The probe uses the tokens file's first user over MQTT. Raises
+    :class:`~simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
+    """
+    import asyncio
+
+    from simulators.client import ClientInputError, load_client_tokens
+    from simulators.preflight import probe_broker
+    from simulators.traffic import SimulationInputError
+
     try:
-        return asyncio.run(coro)
+        credentials = load_client_tokens(tokens)[0] if tokens is not None else None
+    except ClientInputError as exc:
+        raise UsageError(str(exc)) from None
+
+    async def checked() -> T:
+        await probe_broker(broker, credentials=credentials)
+        return await work()
+
+    try:
+        return asyncio.run(checked())
     except SimulationInputError as exc:
         raise UsageError(str(exc)) from None
 
@@ -178,6 +210,8 @@ def _emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
     if as_json:
         sys.stdout.write(json.dumps(obj) + "\n")
         return
+    from rich.console import Console
+
     console = Console()
     console.print(f"[bold]{title}[/bold]")
     for key, value in obj.items():
@@ -191,7 +225,15 @@ def _unreachable(exc: TransportError) -> int:
 
 # -- commands ----------------------------------------------------------------------------------
 def run_simulate(args: argparse.Namespace) -> int:
-    from simulators.traffic import DEFAULT_MIX, NullObserver, SimulationConfig, load_profile_mix, run_simulation
+    from simulators.traffic import (
+        DEFAULT_MIX,
+        NullObserver,
+        SimulationConfig,
+        SimulationInputError,
+        load_profile_mix,
+        run_simulation,
+    )
+    from simulators.transport import TransportError
 
     try:
         mix = load_profile_mix(args.profile_mix) if args.profile_mix is not None else DEFAULT_MIX
@@ -210,7 +252,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     except SimulationInputError as exc:
         raise UsageError(str(exc)) from None
-    if args.osm is not None and not args.osm.exists():
+    if args.osm is not None and not args.osm.is_file():
         raise UsageError("--osm: no such file")
 
     with _progress(not args.no_progress, "simulate") as update:
@@ -225,7 +267,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                     update(self.sent, self.sent)
 
         try:
-            summary = _run(run_simulation(cfg, observer=Ticker()))
+            summary = _run_client(args.broker, args.tokens, lambda: run_simulation(cfg, observer=Ticker()))
         except TransportError as exc:
             return _unreachable(exc)
     _emit(summary.to_json(), args.json, "kcloak simulate")
@@ -233,7 +275,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_replay_cmd(args: argparse.Namespace) -> int:
-    from simulators.replay import ReplayConfig, run_replay
+    from simulators.replay import ReplayConfig, load_plan, run_replay
+    from simulators.traffic import SimulationInputError
+    from simulators.transport import TransportError
 
     try:
         cfg = ReplayConfig(
@@ -249,11 +293,13 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
             query_kind=args.query_kind,
             seed=args.seed,
         )
+        # Input first: a bad file is exit 2 whatever the broker does.
+        plan, _ = load_plan(cfg)
     except SimulationInputError as exc:
         raise UsageError(str(exc)) from None
     with _progress(not args.no_progress, "replay") as update:
         try:
-            summary = _run(run_replay(cfg, on_progress=update))
+            summary = _run_client(args.broker, args.tokens, lambda: run_replay(cfg, plan=plan, on_progress=update))
         except TransportError as exc:
             return _unreachable(exc)
     _emit(summary.to_json(), args.json, "kcloak replay")
@@ -262,6 +308,8 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
 
 def run_load_cmd(args: argparse.Namespace) -> int:
     from simulators.load import LoadConfig, run_load
+    from simulators.traffic import SimulationInputError
+    from simulators.transport import TransportError
 
     try:
         cfg = LoadConfig(
@@ -280,7 +328,7 @@ def run_load_cmd(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     with _progress(not args.no_progress, "load") as update:
         try:
-            summary = _run(run_load(cfg, on_progress=update))
+            summary = _run_client(args.broker, args.tokens, lambda: run_load(cfg, on_progress=update))
         except TransportError as exc:
             return _unreachable(exc)
     _emit(summary.to_json(), args.json, "kcloak load")
@@ -288,18 +336,26 @@ def run_load_cmd(args: argparse.Namespace) -> int:
 
 
 def run_bench_simulate(args: argparse.Namespace) -> int:
-    from simulators.bench import measure_models, measure_transports
+    from rich.console import Console
 
-    if args.users < 1 or not args.duration > 0:
-        raise UsageError("--users must be >= 1 and --duration > 0")
+    from simulators.bench import measure_models, measure_transports
+    from simulators.transport import TransportError
+
+    if args.users < 1:
+        raise UsageError("--users: must be >= 1")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise UsageError("--duration: must be finite and > 0")
     err = Console(stderr=True)
-    err.print("[dim]phase:[/dim] mobility models")
+
+    def phase(message: str) -> None:
+        if not args.no_progress:
+            err.print(f"[dim]phase:[/dim] {message}")
+
+    phase("mobility models")
     rows: list[dict[str, object]] = list(measure_models(users=args.users, duration_s=args.duration))
     if not args.models_only:
         try:
-            rows += measure_transports(
-                users=args.users, duration_s=args.duration, log=lambda m: err.print(f"[dim]phase:[/dim] {m}")
-            )
+            rows += measure_transports(users=args.users, duration_s=args.duration, log=phase)
         except (TransportError, TimeoutError, OSError) as exc:
             print(f"kcloak: error: broker for the transport rows failed ({type(exc).__name__}: {exc})", file=sys.stderr)
             return 1

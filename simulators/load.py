@@ -33,6 +33,9 @@ from simulators.transport import BrokerUrl
 SEND_SLICE = 256
 """Most messages sent between two yields to the event loop (answers keep being read)."""
 
+DRAW_CHUNK = 65_536
+"""Messages whose kind and user are drawn at once: memory stays flat whatever rate × duration is."""
+
 
 class LoadInputError(SimulationInputError):
     """Bad ``kcloak load`` input (exit 2)."""
@@ -129,8 +132,9 @@ async def run_load(cfg: LoadConfig, *, on_progress: Callable[[int, int], None] |
     model = await asyncio.to_thread(build_model, cfg.model, cfg.users, seed=seed)
     rng = np.random.default_rng(seed + 1)
     total = max(1, int(cfg.rate * cfg.duration_s))
-    is_query = (rng.random(total) < cfg.query_fraction).tolist()
-    query_user = rng.integers(0, cfg.users, total).tolist()
+    is_query: list[bool] = []
+    query_user: list[int] = []
+    drawn = 0  # message index of is_query[0]
     user_tokens = dict(tokens[: cfg.users]) if tokens is not None else None
     async with open_client(cfg.broker, tokens=user_tokens, query_connections=cfg.query_connections) as client:
         # Every user sends one fix first, so that queries find their querier present.
@@ -156,10 +160,15 @@ async def run_load(cfg: LoadConfig, *, on_progress: Callable[[int, int], None] |
             due = min(total, int((now - t0) * cfg.rate) + 1)
             stop = min(due, i + SEND_SLICE)
             while i < stop:
+                if i - drawn >= len(is_query):
+                    drawn = i
+                    n = min(DRAW_CHUNK, total - i)
+                    is_query = (rng.random(n) < cfg.query_fraction).tolist()
+                    query_user = rng.integers(0, cfg.users, n).tolist()
                 intended = t0 + i / cfg.rate
                 max_lag = max(max_lag, time.time() - intended)
-                if is_query[i]:
-                    u = query_user[i]
+                if is_query[i - drawn]:
+                    u = query_user[i - drawn]
                     query = random_query(rng, cfg.query_kind, client.next_query_id())
                     await client.send_query(users[u], query, intended=intended)
                     sent_queries += 1

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from broker.validation import valid_user_id
 from simulators.client import ClientInputError, load_client_tokens, open_client, percentiles_ms
 from simulators.traffic import QUERY_KINDS, SimulationInputError, random_query
 from simulators.transport import BrokerUrl
@@ -38,6 +39,15 @@ START_DELAY_S = 1.0
 
 class ReplayInputError(SimulationInputError):
     """Unreadable input, bad flag values, or more sources than tokens (exit 2)."""
+
+
+USER_ID_RULE = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""Contract §1 user ids (the ``--user-prefix`` ids must be valid ones)."""
+
+
+def source_user(prefix: str, i: int) -> str:
+    """The open-mode user id of the ``i``-th source (0-based): ``{prefix}000001``…"""
+    return f"{prefix}{i + 1:06d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,8 @@ class ReplayConfig:
             raise ReplayInputError("--queries-per-min: must be finite and >= 0")
         if self.limit is not None and self.limit < 1:
             raise ReplayInputError("--limit: must be >= 1")
+        if not valid_user_id(source_user(self.user_prefix, 0)):
+            raise ReplayInputError(f"--user-prefix: user ids like P000001 must match {USER_ID_RULE}")
         if self.query_kind not in QUERY_KINDS:
             raise ReplayInputError(f"--query-kind: must be one of {', '.join(QUERY_KINDS)}")
         try:
@@ -140,23 +152,18 @@ def resample(
 
 
 def plan_replay(table: FixTable, cfg: ReplayConfig, tokens: list[tuple[str, str]] | None) -> ReplayPlan:
-    """Map sources to users, resample if asked, shift times (contract §9) and order fixes by send time."""
+    """Map sources to users, resample if asked, shift times (contract §9) and order fixes by send time.
+
+    With ``limit`` only the sources among the ``limit`` earliest fixes become users (numbered in
+    order of first appearance in the input), so ``users`` and the tokens needed count only them.
+    """
     if len(table) == 0:
-        raise ReplayInputError("input: no usable fixes")
+        raise ReplayInputError(f"input: no usable fixes ({table.bad_rows} bad rows)")
     ids, first = np.unique(table.traj_id, return_index=True)
     order_of_first = np.argsort(first, kind="stable")
     rank = np.empty(len(ids), dtype=np.int64)
     rank[order_of_first] = np.arange(len(ids))
     src = rank[np.searchsorted(ids, table.traj_id)]
-    n_users = len(ids)
-    if tokens is not None:
-        if n_users > len(tokens):
-            raise ReplayInputError(
-                f"--tokens: the input has {n_users} sources but the tokens file only {len(tokens)} usable users"
-            )
-        users = [u for u, _ in tokens[:n_users]]
-    else:
-        users = [f"{cfg.user_prefix}{i + 1:06d}" for i in range(n_users)]
     t, lat, lon = table.t, table.lat, table.lon
     if cfg.interpolate_s is not None:
         parts_u, parts_t, parts_lat, parts_lon = [], [], [], []
@@ -172,15 +179,28 @@ def plan_replay(table: FixTable, cfg: ReplayConfig, tokens: list[tuple[str, str]
         src, t, lat, lon = (np.concatenate(x) for x in (parts_u, parts_t, parts_lat, parts_lon))
     order = np.lexsort((src, t))
     offset = START_DELAY_S + (t[order] - t.min()) / cfg.speed
-    plan_user, plan_lat, plan_lon = src[order].astype(np.int64), lat[order], lon[order]
+    plan_src, plan_lat, plan_lon = src[order].astype(np.int64), lat[order], lon[order]
     if cfg.limit is not None:
-        offset, plan_user, plan_lat, plan_lon = (
+        offset, plan_src, plan_lat, plan_lon = (
             offset[: cfg.limit],
-            plan_user[: cfg.limit],
+            plan_src[: cfg.limit],
             plan_lat[: cfg.limit],
             plan_lon[: cfg.limit],
         )
-    return ReplayPlan(users, plan_user, offset, plan_lat, plan_lon, table.bad_rows)
+    # Sources that send at least one fix, renumbered 0.. in order of first appearance.
+    present, plan_user = np.unique(plan_src, return_inverse=True)
+    n_users = len(present)
+    if tokens is not None:
+        if n_users > len(tokens):
+            raise ReplayInputError(
+                f"--tokens: the input has {n_users} sources but the tokens file only {len(tokens)} usable users"
+            )
+        users = [u for u, _ in tokens[:n_users]]
+    else:
+        users = [source_user(cfg.user_prefix, i) for i in range(n_users)]
+        if not valid_user_id(users[-1]):
+            raise ReplayInputError(f"--user-prefix: user ids like P000001 must match {USER_ID_RULE}")
+    return ReplayPlan(users, plan_user.astype(np.int64), offset, plan_lat, plan_lon, table.bad_rows)
 
 
 def load_plan(cfg: ReplayConfig) -> tuple[ReplayPlan, list[tuple[str, str]] | None]:

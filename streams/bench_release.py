@@ -21,27 +21,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table as RichTable
-
 from broker.cli import UsageError
 from cloaking.bench_cli import bench_subparsers
-from cloaking.places import load_pois
-from cloaking.tabular import ALGORITHMS, Unsatisfiable, anonymize_table
-from streams.readers import FixTable, ReaderError, read_fixes
-from streams.release import (
-    KM_ALGORITHMS,
-    QUASI_IDENTIFIERS,
-    ReleaseParams,
-    ReleaseUnsatisfiable,
-    release_table,
-)
-from streams.tables import BuildOptions, Table, TableKind, build_from_fixes
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from streams.tables import Table, TableKind
+
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+# Heavy modules (numpy, rich, the algorithms) are imported inside the functions, so that building
+# the ``kcloak`` parser stays fast.
 
 RESEARCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "research"
 DEFAULT_DATA = (RESEARCH / "tdrive_beijing_20080202_1600-1630.csv.gz", RESEARCH / "geolife_sample")
@@ -100,7 +92,11 @@ def add_parser(subparsers: SubParsers) -> None:
         description=(
             "Build trips, staypoints and places tables from a real trace and release each with every applicable "
             "algorithm at each k. Reports NCP, discernibility, suppressed rows and runtime, ACD against AA "
-            "(S002's claim) and Mondrian on synthetic rows."
+            "(S002's claim) and Mondrian on synthetic rows. "
+            'JSON: {"bench": "release", "results": [{table, algorithm, k, rows, runtime_s, ncp, discernibility, '
+            'suppressed_rows, status, cpu_s}, ...], "acd_vs_aa": {ncp_ratio, time_ratio, holds, ...}, ...}. '
+            "Exit codes: 0 done (unsatisfiable releases are rows with status unsatisfiable), 2 bad flags or "
+            "an unreadable or empty trace."
         ),
     )
     p.add_argument("--data", default=None, metavar="CSV", help="trace (default: T-Drive research file, else GeoLife)")
@@ -110,7 +106,13 @@ def add_parser(subparsers: SubParsers) -> None:
     )
     p.add_argument("--k", dest="ks", default="5,10,20", metavar="K,…", help="(5,10,20)")
     p.add_argument("--m", type=int, default=2, metavar="M", help="places: attacker knows ≤ M items (2)")
-    p.add_argument("--mondrian-rows", type=int, default=1_000_000, metavar="N", help="synthetic rows; 0 skips")
+    p.add_argument(
+        "--mondrian-rows",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="synthetic Mondrian rows, 0 skips (1000000)",
+    )
     p.add_argument("--seed", type=int, default=1, metavar="N", help="seed of releases and synthetic rows (1)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -122,6 +124,9 @@ def _bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
     if not enabled:
         yield None, None
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -135,6 +140,10 @@ def _bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
 
 
 def _plan(tables: Sequence[TableKind], algorithms: Sequence[str] | None) -> list[tuple[TableKind, str]]:
+    from cloaking.tabular import ALGORITHMS
+    from streams.release import KM_ALGORITHMS
+    from streams.tables import TableKind
+
     plan = []
     for t in tables:
         if t is TableKind.PLACES:
@@ -154,6 +163,9 @@ def run_release_rows(
     tick: Callable[[], None] | None = None,
 ) -> list[BenchRow]:
     """Release every (table, algorithm) of ``plan`` at each k; one row each."""
+    from streams.release import ReleaseParams, ReleaseUnsatisfiable, release_table
+    from streams.tables import TableKind
+
     out: list[BenchRow] = []
     for kind, algo in plan:
         table = tables[kind]
@@ -187,8 +199,11 @@ def run_release_rows(
 
 def acd_vs_aa(rows: Sequence[BenchRow]) -> dict[str, Any]:
     """S002's claim on ``places``: ratios over the k both algorithms released."""
-    acd = {r.k: r for r in rows if r.table == "places" and r.algorithm == "acd" and r.ncp is not None}
-    aa = {r.k: r for r in rows if r.table == "places" and r.algorithm == "aa" and r.ncp is not None}
+    import numpy as np
+
+    # Only releases of a non-empty table compare: on zero rows both lose nothing in no time.
+    acd = {r.k: r for r in rows if r.table == "places" and r.algorithm == "acd" and r.ncp is not None and r.rows}
+    aa = {r.k: r for r in rows if r.table == "places" and r.algorithm == "aa" and r.ncp is not None and r.rows}
     ks = sorted(set(acd) & set(aa))
     if not ks:
         return {"ncp_ratio": None, "time_ratio": None, "holds": None, "ks": []}
@@ -217,6 +232,8 @@ def acd_vs_aa(rows: Sequence[BenchRow]) -> dict[str, Any]:
 
 def synthetic_trips(n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` trips-like rows: uniform over central Beijing and 30 days (for Mondrian's scale test)."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     cols = {
         "origin_lat": np.round(39.8 + rng.random(n) * 0.3, 5).tolist(),
@@ -232,6 +249,10 @@ def synthetic_trips(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def mondrian_row(n: int, k: int, seed: int) -> BenchRow:
+    from cloaking.tabular import Unsatisfiable, anonymize_table
+    from streams.release import QUASI_IDENTIFIERS
+    from streams.tables import TableKind
+
     rows = synthetic_trips(n, seed)
     started, cpu0 = time.perf_counter(), time.process_time()
     try:
@@ -261,6 +282,14 @@ def mondrian_row(n: int, k: int, seed: int) -> BenchRow:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from cloaking.places import load_pois
+    from cloaking.tabular import ALGORITHMS
+    from streams.readers import FixTable, ReaderError, read_fixes
+    from streams.release import KM_ALGORITHMS
+    from streams.tables import BuildOptions, TableKind, build_from_fixes
+
     try:
         tables_wanted = [TableKind(t) for t in _csv_list(args.tables, "--tables")]
     except ValueError:
@@ -282,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         fixes: FixTable = read_fixes(data)
     except ReaderError as exc:
         raise UsageError(str(exc)) from None
+    if len(fixes) == 0:
+        raise UsageError(f"--data: {data.name} has no usable fixes ({fixes.bad_rows} bad rows)")
     plan = _plan(tables_wanted, algorithms)
     total = len(plan) * len(ks) + (1 if args.mondrian_rows else 0)
     progress = not args.no_progress and sys.stderr.isatty()
@@ -326,6 +357,9 @@ def _fmt(v: float | None, digits: int = 4) -> str:
 
 
 def _print(err: Console, rows: Sequence[BenchRow], comparison: dict[str, Any], data: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
     out = Console()
     tab = RichTable(title=f"bench release on {data.name}")
     for col in ("table", "algorithm", "k", "rows", "runtime_s", "ncp", "discernibility", "suppressed", "status"):

@@ -134,8 +134,16 @@ def check_params(kind: TableKind, p: ReleaseParams) -> str:
         raise ReleaseError("--c: applies to --l-kind recursive only")
     if p.l_kind != "distinct" and p.l is None:
         raise ReleaseError("--l-kind: needs --l")
+    if p.l is not None and (isinstance(p.l, bool) or p.l < 1):
+        raise ReleaseError("--l: must be an integer ≥ 1")
+    if p.c is not None and not (math.isfinite(p.c) and p.c > 0):
+        raise ReleaseError("--c: must be a finite number > 0")
+    if p.l_kind == "recursive" and p.c is None:
+        raise ReleaseError("--l-kind recursive: needs --c")
     if p.t is not None and not (0.0 < p.t <= 1.0):
         raise ReleaseError("--t: must be within (0, 1]")
+    if algo == "anatomy" and p.l is None:
+        raise ReleaseError("--algorithm anatomy: needs --l (it publishes l-diverse groups of the sensitive column)")
     return algo
 
 

@@ -1,45 +1,66 @@
 """``kcloak release TABLE INPUT -o OUT`` (contract §8, §9): build a table, anonymize it, write it.
 
-Exit codes: 0 released; 1 the requirements cannot be met within ``--max-suppression``; 2 bad
-flags, an unreadable source or a combination that does not apply.
+Exit codes: 0 released; 1 the requirements cannot be met within ``--max-suppression``, the input
+yields no rows of the table, or the output cannot be written; 2 bad flags, an unreadable, empty
+or unrecognised source, a combination that does not apply, or an output folder that does not
+exist. Nothing is written unless the whole release succeeds (each file goes to a temporary name
+first, then is renamed). Heavy modules are imported when the command runs, so that
+``kcloak --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
 from broker.cli import UsageError
-from cloaking.places import PoiFileError, PoiSet, load_pois
-from streams.release import (
-    ReleaseError,
-    ReleaseOutcome,
-    ReleaseParams,
-    ReleaseUnsatisfiable,
-    check_params,
-    release_table,
-)
-from streams.tables import (
-    SOURCE_FORMATS,
-    BuildOptions,
-    TableError,
-    TableKind,
-    build_table,
-    write_table_csv,
-)
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from streams.release import ReleaseOutcome
+
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
+# Choices spelled out here so that building the parser imports nothing heavy; tests check them
+# against streams.tables (TableKind, SOURCE_FORMATS), cloaking.tabular.ALGORITHMS and
+# streams.release.KM_ALGORITHMS.
+TABLES: tuple[str, ...] = ("trips", "staypoints", "places", "querylog")
+SOURCE_FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais", "table", "datadir")
+L_KINDS: tuple[str, ...] = ("distinct", "entropy", "recursive")
+TABULAR_ALGORITHMS: tuple[str, ...] = (
+    "samarati",
+    "incognito",
+    "ola",
+    "mondrian",
+    "mondrian-relaxed",
+    "mdav",
+    "kaca",
+    "anatomy",
+)
+PLACES_ALGORITHMS: tuple[str, ...] = ("acd", "aa")
+
 _STAGES = ("reading and building the table", "anonymizing", "writing")
+
+_EPILOG = (
+    "Output: OUT holds the table's released columns (row_id first, rows in random order, suppressed "
+    "rows removed); with --algorithm anatomy OUT holds the quasi-identifiers and group_id, and "
+    "<OUT stem>.sensitive.csv holds group_id,<sensitive>,count. --report FILE.json gets the release "
+    "report (kcloak_version, table, algorithm, input, output, k, l, l_kind, c, t, m, max_suppression, "
+    "quasi_identifiers, sensitive, n_in, n_out, suppressed_rows, classes, k_achieved, l_achieved, "
+    "t_achieved, metrics, runtime_s, seed, n_bad_rows). A one-line summary goes to stderr. Nothing is "
+    "written unless the release succeeds. "
+    "Exit codes: 0 released; 1 requirements not met within --max-suppression, nothing to release, or "
+    "output not writable; 2 bad flags, unreadable, empty or unrecognised input, a combination that "
+    "does not apply (e.g. --m outside places, --l with places, anatomy without --l)."
+)
 
 
 def add_parser(sub: SubParsers) -> None:
@@ -52,27 +73,39 @@ def add_parser(sub: SubParsers) -> None:
             "t-closeness; k^m-anonymity for places) and write a CSV with fresh row ids in random order. "
             "Direct identifiers are dropped; suppressed rows are removed and counted in the report."
         ),
+        epilog=_EPILOG,
     )
-    p.add_argument(
-        "table", choices=[k.value for k in TableKind], metavar="TABLE", help="trips|staypoints|places|querylog"
-    )
+    p.add_argument("table", choices=TABLES, metavar="TABLE", help="trips|staypoints|places|querylog")
     p.add_argument("input", metavar="INPUT", help="trajectory file or folder, data directory, or table CSV")
     p.add_argument("-o", dest="output", required=True, metavar="OUT", help="released CSV (.gz allowed)")
     p.add_argument("--k", type=int, required=True, metavar="K", help="k (every class, or every ≤ m items, ≥ k rows)")
-    p.add_argument("--l", type=int, default=None, metavar="L", help="l-diversity of the sensitive column")
-    p.add_argument("--l-kind", choices=("distinct", "entropy", "recursive"), default="distinct", help="(distinct)")
-    p.add_argument("--c", type=float, default=None, metavar="C", help="c of recursive (c,l)-diversity")
-    p.add_argument("--t", type=float, default=None, metavar="T", help="t-closeness, 0 < T ≤ 1")
+    p.add_argument("--l", type=int, default=None, metavar="L", help="l-diversity of the sensitive column (none)")
+    p.add_argument("--l-kind", choices=L_KINDS, default="distinct", help="l-diversity variant (distinct)")
+    p.add_argument(
+        "--c",
+        type=float,
+        default=None,
+        metavar="C",
+        help="c of --l-kind recursive (none)",
+    )
+    p.add_argument("--t", type=float, default=None, metavar="T", help="t-closeness, 0 < T ≤ 1 (none)")
     p.add_argument("--m", type=int, default=None, metavar="M", help="places only: attacker knows ≤ M items (2)")
-    p.add_argument("--algorithm", default=None, metavar="NAME", help="mondrian (tables) / acd (places) by default")
-    p.add_argument("--max-suppression", type=float, default=0.01, metavar="F", help="largest suppressed fraction")
-    p.add_argument("--format", choices=SOURCE_FORMATS, default=None, help="input format (default: auto)")
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        metavar="NAME",
+        help=f"{', '.join(TABULAR_ALGORITHMS)} (default mondrian); places: {' or '.join(PLACES_ALGORITHMS)} (acd)",
+    )
+    p.add_argument("--max-suppression", type=float, default=0.01, metavar="F", help="most rows suppressed (0.01)")
+    p.add_argument(
+        "--format", choices=SOURCE_FORMATS, default=None, help="input format (auto: data directory, table CSV, suffix)"
+    )
     p.add_argument("--pois", default=None, metavar="FILE", help="POIs for stay point categories (bundled Beijing)")
     p.add_argument("--stay-radius-m", type=float, default=200.0, metavar="M", help="stay point radius (200)")
     p.add_argument("--stay-min-s", type=float, default=1200.0, metavar="S", help="stay point minimum duration (1200)")
     p.add_argument("--place-precision", type=int, default=7, metavar="N", help="geohash length of places (7)")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of row ids and order (random)")
-    p.add_argument("--report", default=None, metavar="FILE.json", help="write the release report here")
+    p.add_argument("--report", default=None, metavar="FILE.json", help="write the release report here (none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -82,6 +115,9 @@ def _stages(enabled: bool) -> Iterator[Progress | None]:
     if not enabled:
         yield None
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -104,7 +140,27 @@ def sensitive_path(output: Path) -> Path:
     return output.with_name(f"{base}.sensitive.csv" + (".gz" if gz else ""))
 
 
+def check_writable(path: Path, flag: str) -> None:
+    """Usage error (exit 2) unless ``path`` can be created: its folder exists and is writable, it is no folder."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"{flag}: {path.name} is a folder, not a file")
+    if not folder.is_dir():
+        raise UsageError(f"{flag}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: folder {folder} is not writable")
+
+
+def _say(message: str) -> None:
+    """One line on stderr (never wrapped: logs and scripts read it whole)."""
+    print(message, file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
+    from cloaking.places import PoiFileError, PoiSet, load_pois
+    from streams.release import ReleaseError, ReleaseParams, ReleaseUnsatisfiable, check_params, release_table
+    from streams.tables import BuildOptions, TableError, TableKind, build_table, source_format
+
     kind = TableKind(args.table)
     params = ReleaseParams(
         k=args.k,
@@ -117,12 +173,19 @@ def run(args: argparse.Namespace) -> int:
         max_suppression=args.max_suppression,
         seed=args.seed,
     )
-    err = Console(stderr=True)
+    output = Path(args.output)
+    report_path = Path(args.report) if args.report else None
     try:
         options = BuildOptions(
             stay_radius_m=args.stay_radius_m, stay_min_s=args.stay_min_s, place_precision=args.place_precision
         )
         check_params(kind, params)
+        check_writable(output, "-o")
+        if report_path is not None:
+            check_writable(report_path, "--report")
+            if report_path.resolve() == output.resolve():
+                raise UsageError("--report: must differ from -o")
+        source = source_format(args.input, kind, args.format)
         pois: PoiSet | None = load_pois(args.pois) if kind is TableKind.STAYPOINTS else None
     except (TableError, ReleaseError, PoiFileError) as exc:
         raise UsageError(str(exc)) from None
@@ -133,6 +196,17 @@ def run(args: argparse.Namespace) -> int:
             table = build_table(args.input, kind, fmt=args.format, options=options, pois=pois)
         except TableError as exc:
             raise UsageError(str(exc)) from None
+        name = Path(args.input).name
+        if len(table) == 0:
+            if source == "table" or table.n_trajectories == 0:
+                raise UsageError(f"{name}: no usable input rows ({table.n_bad_rows} bad rows)")
+            if kind is TableKind.QUERYLOG:
+                why = f"{name} holds no forwarded query"
+            else:
+                why = f"no {kind.value} rows in the {table.n_trajectories} trajectories of {name} (stay points:"
+                why += " see --stay-radius-m and --stay-min-s)"
+            _say(f"kcloak: error: nothing to release: {why}; nothing written")
+            return 1
         if bar is not None and task is not None:
             bar.update(task, advance=1, description=f"{_STAGES[1]} {len(table)} rows")
         provenance: dict[str, Any] = {"input": str(args.input), "output": str(args.output)}
@@ -141,19 +215,19 @@ def run(args: argparse.Namespace) -> int:
         except ReleaseError as exc:
             raise UsageError(str(exc)) from None
         except ReleaseUnsatisfiable as exc:
-            err.print(f"[red]not released[/red]: {exc}; nothing written")
+            _say(f"kcloak: error: not released: {exc}; nothing written")
             return 1
         if bar is not None and task is not None:
             bar.update(task, advance=1, description=_STAGES[2])
         try:
-            _write(Path(args.output), outcome, args.report)
+            write_release(output, outcome, report_path)
         except OSError as exc:
-            err.print(f"[red]cannot write the release[/red]: {exc.strerror or type(exc).__name__}")
+            _say(f"kcloak: error: cannot write the release ({exc.strerror or type(exc).__name__}); nothing written")
             return 1
         if bar is not None and task is not None:
             bar.update(task, advance=1)
     rep = outcome.report
-    err.print(
+    _say(
         f"released {rep['n_out']} of {rep['n_in']} {kind.value} rows with {rep['algorithm']} "
         f"(k={rep['k']}, k achieved {rep['k_achieved']}, suppressed {rep['suppressed_rows']}, "
         f"bad input rows {table.n_bad_rows}) in {rep['runtime_s']:.2f} s"
@@ -161,12 +235,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(output: Path, outcome: ReleaseOutcome, report_path: str | None) -> None:
-    write_table_csv(output, outcome.columns, outcome.rows)
-    if outcome.sensitive_columns is not None and outcome.sensitive_rows is not None:
-        write_table_csv(sensitive_path(output), outcome.sensitive_columns, outcome.sensitive_rows)
-    if report_path:
-        Path(report_path).write_text(json.dumps(outcome.report, indent=1) + "\n", encoding="utf-8")
+def _temp_name(path: Path) -> Path:
+    """A hidden sibling of ``path`` with the same suffix (``.gz`` decides compression)."""
+    return path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
 
 
-__all__ = ["add_parser", "run", "sensitive_path"]
+def write_release(output: Path, outcome: ReleaseOutcome, report_path: Path | None) -> None:
+    """Write OUT, Anatomy's sensitive table and the report, all or none (temporary files, then renames)."""
+    from streams.tables import write_table_csv
+
+    pending: list[tuple[Path, Path]] = []
+    try:
+        tmp = _temp_name(output)
+        pending.append((tmp, output))
+        write_table_csv(tmp, outcome.columns, outcome.rows)
+        if outcome.sensitive_columns is not None and outcome.sensitive_rows is not None:
+            sens = sensitive_path(output)
+            tmp = _temp_name(sens)
+            pending.append((tmp, sens))
+            write_table_csv(tmp, outcome.sensitive_columns, outcome.sensitive_rows)
+        if report_path is not None:
+            tmp = _temp_name(report_path)
+            pending.append((tmp, report_path))
+            tmp.write_text(json.dumps(outcome.report, indent=1) + "\n", encoding="utf-8")
+        for tmp, final in pending:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in pending:
+            tmp.unlink(missing_ok=True)
+
+
+__all__ = ["add_parser", "check_writable", "run", "sensitive_path", "write_release"]
