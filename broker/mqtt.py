@@ -38,6 +38,8 @@ log = logging.getLogger("kcloak.mqtt")
 TOPICS = ("update", "updates", "profile", "query")
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
+UPDATES_CHUNK = 500
+"""Fixes of one batch message handed to the pipeline per event-loop turn."""
 
 
 def free_port() -> int:
@@ -68,7 +70,11 @@ class EmbeddedMqtt:
             cmd += ["--tokens", self.tokens_file, "--service-secret", str(secret_path)]
             if self.readers:
                 cmd += ["--published-readers", *self.readers]
-        self._proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+        # A session of its own: a terminal's Ctrl-C reaches the broker only, which stops this child
+        # itself (leaving this context on every path); the child also exits if the broker dies.
+        self._proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True
+        )
         assert self._proc.stdout is not None
         try:
             async with asyncio.timeout(15):
@@ -89,13 +95,19 @@ class EmbeddedMqtt:
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
         try:
             async with asyncio.timeout(5):
                 await proc.wait()
         except TimeoutError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
+        except BaseException:  # cancelled: never leave the child running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
 
 
 class MqttDoor:
@@ -324,18 +336,24 @@ class MqttDoor:
         if len(updates) > self.config.limits.batch_items:
             self._drop("updates", "too_large")
             return
-        items: list[tuple[str, Any]] = []
-        for item in updates:
-            who = item.get("user", user) if isinstance(item, dict) else user
-            if not isinstance(who, str):
-                who = user
-            if self.tokens_mode and who != user:
-                self._drop("updates", "forbidden")
-                return
-            if isinstance(item, dict) and "user" in item:
-                item = {k: v for k, v in item.items() if k != "user"}
-            items.append((who, item))
-        await self.pipeline.submit_fixes("mqtt", items)
+        if self.tokens_mode and any(_item_user(item, user) != user for item in updates):
+            self._drop("updates", "forbidden")
+            return
+        # A large batch is handed over in chunks, one event-loop turn each, so that queries and
+        # answers arriving meanwhile are not held up behind thousands of fixes. The chunks are
+        # validated in order, and committed and applied in order (one writer, FIFO).
+        chunks: list[asyncio.Task[Any]] = []
+        for start in range(0, len(updates), UPDATES_CHUNK):
+            if chunks:
+                await asyncio.sleep(0)
+            items: list[tuple[str, Any]] = []
+            for item in updates[start : start + UPDATES_CHUNK]:
+                if isinstance(item, dict) and "user" in item:
+                    items.append((_item_user(item, user), {k: v for k, v in item.items() if k != "user"}))
+                else:
+                    items.append((user, item))
+            chunks.append(asyncio.create_task(self.pipeline.submit_fixes("mqtt", items)))
+        await asyncio.gather(*chunks)
 
     async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
         request_id = obj.get("request_id")
@@ -371,6 +389,12 @@ class MqttDoor:
             return
         outcome = await self.pipeline.query("mqtt", user, qid, obj)
         await self.publish(f"{ROOT}answer/{user}", outcome.answer)
+
+
+def _item_user(item: Any, sender: str) -> str:
+    """The user a batch item is for: its ``user`` field when that is a string, else the topic's user."""
+    who = item.get("user", sender) if isinstance(item, dict) else sender
+    return who if isinstance(who, str) else sender
 
 
 def embedded_listen(config: Config) -> tuple[str, int]:

@@ -3,8 +3,12 @@
 Every accepted fix is already in ``movement.sqlite3`` (written ahead by the movement store). The
 :class:`WindowPublisher` cuts that history into windows ``[n·W, (n+1)·W)``; once no fix can arrive
 for a window any more (now ≥ ``t_end`` + ``max_update_age_s``) it anonymizes the window's
-trajectories with :func:`streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) in a
-worker thread and publishes the result exactly once:
+trajectories with :func:`streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) and
+publishes the result exactly once. A window of :data:`PROCESS_MIN_ROWS` fixes or more is
+anonymized in a worker process (started on first need, then kept): the algorithm runs for seconds
+in Python and, in a thread, would hold the interpreter lock the event loop needs to answer
+queries meanwhile. Smaller windows, or any window when the worker cannot run, use a thread.
+The result is then:
 
 1. write ``published/trajectories/<window_id>.csv`` and ``.json`` atomically (temp file, fsync,
    rename);
@@ -29,11 +33,14 @@ length that starts at or after the end of the last recorded window.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
+import signal
 import sqlite3
 import threading
 import time
@@ -64,6 +71,9 @@ PART_BYTES = 1 << 20
 """Bytes in one MQTT part at most (contract §1)."""
 PI_S_MAX = 60.0
 """NWA time granularity of live windows: ``min(60 s, window_s / 10)`` (60 s for the default 900 s)."""
+
+PROCESS_MIN_ROWS = 20_000
+"""Windows with at least this many fixes are anonymized in the worker process (a second or more of work)."""
 
 WINDOW_ID = re.compile(r"^([0-9]{1,15})-([0-9]{1,15})$")
 
@@ -179,6 +189,11 @@ class WindowLedger:
         return None if row[0] is None else float(row[0])
 
 
+def _worker_init() -> None:
+    """The anonymization worker ignores a terminal's Ctrl-C: the broker stops it when it stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _record(row: tuple[Any, ...]) -> WindowRecord:
     return WindowRecord(row[0], int(row[1]), int(row[2]), WindowState(row[3]), int(row[4]), int(row[5]), row[6], row[7])
 
@@ -201,7 +216,8 @@ class WindowPublisher:
     store the fixes are read from; the ledger opens its file again), ``directory`` (where window
     files go: ``<data dir>/published/trajectories``), ``metrics``, ``send`` (QoS 1 publish that
     returns once acknowledged; None without MQTT, then committed windows are marked sent at once)
-    and ``clock`` (Unix seconds; :func:`time.time`).
+    ``clock`` (Unix seconds; :func:`time.time`) and ``process_min_rows`` (windows with at least this
+    many fixes are anonymized in the worker process; :data:`PROCESS_MIN_ROWS`).
     """
 
     def __init__(
@@ -213,6 +229,7 @@ class WindowPublisher:
         metrics: Metrics,
         send: Send | None = None,
         clock: Callable[[], float] = time.time,
+        process_min_rows: int = PROCESS_MIN_ROWS,
     ) -> None:
         pub = config.publish
         self.window_s = pub.window_s
@@ -228,10 +245,16 @@ class WindowPublisher:
         self.pi_s = min(PI_S_MAX, pub.window_s / 10) if self.enabled else PI_S_MAX
         self.started_t = clock()
         self.ledger = WindowLedger(movement.path)
+        self.process_min_rows = process_min_rows
+        self._worker: concurrent.futures.ProcessPoolExecutor | None = None
         self._cursor: int | None = None
         self._unsent: list[str] | None = None
 
     def close(self) -> None:
+        if self._worker is not None:
+            # A window still being anonymized is abandoned (it is processed anew after a restart).
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker = None
         self.ledger.close()
 
     # -- retention -----------------------------------------------------------------------------
@@ -306,7 +329,10 @@ class WindowPublisher:
         # committed, so the window's input is complete.
         await self.movement.writer.barrier()
         rows = await asyncio.to_thread(self.movement.fixes_between, window.t_start, window.t_end)
-        release, n_few = await asyncio.to_thread(self._anonymize, rows)
+        if len(rows) >= self.process_min_rows:
+            release, n_few = await self._anonymize_in_worker(rows)
+        else:
+            release, n_few = await asyncio.to_thread(self._anonymize, rows)
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,
@@ -338,8 +364,25 @@ class WindowPublisher:
             runtime_s=round(float(report["runtime_s"]), 3),
         )
 
-    def _anonymize(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
-        """The window's release and the number of users left out for having < ``min_points`` fixes."""
+    async def _anonymize_in_worker(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+        """:meth:`_anonymize` with the algorithm in the worker process (in a thread if that fails)."""
+        table, n_few, params = await asyncio.to_thread(self._prepare, rows)
+        try:
+            if self._worker is None:
+                self._worker = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+                )
+            release: Release = await asyncio.wrap_future(self._worker.submit(anonymize, table, **params))
+            return release, n_few
+        except Exception as exc:  # the worker died or could not start, or the algorithm failed: run it here
+            log_event(log, "publication_worker_failed", logging.WARNING, error=type(exc).__name__)
+            if isinstance(exc, concurrent.futures.process.BrokenProcessPool | OSError) and self._worker is not None:
+                self._worker.shutdown(wait=False, cancel_futures=True)
+                self._worker = None
+        return await asyncio.to_thread(self._anonymize, rows)
+
+    def _prepare(self, rows: list[tuple[str, float, float, float]]) -> tuple[FixTable, int, dict[str, Any]]:
+        """The window's fixes of users with ≥ ``min_points`` fixes, how many users had fewer, and the parameters."""
         pub = self.config.publish
         users = np.array([r[0] for r in rows], dtype=str)
         _, inverse, counts = np.unique(users, return_inverse=True, return_counts=True)
@@ -358,6 +401,11 @@ class WindowPublisher:
             "trash_max": pub.trash_max,
             "pi_s": self.pi_s,
         }
+        return table, n_few, params
+
+    def _anonymize(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+        """The window's release and the number of users left out for having < ``min_points`` fixes."""
+        table, n_few, params = self._prepare(rows)
         try:
             return anonymize(table, **params), n_few
         except Exception:  # a bug must not stall publication: the window is published empty

@@ -1,16 +1,23 @@
 """``kcloak demo``: the whole system on one machine for about a minute (contract §9 ``demo``).
 
-:func:`run_demo` starts the reference LBS (``kcloak lbs``, bundled Beijing POIs) as a child
-process and a real :class:`~broker.service.Broker` with its embedded MQTT broker, on free
-loopback ports over a temporary data directory. Meanwhile the bundled Beijing street network is
-cropped to a square around the city centre sized for the number of users (:func:`demo_area`)
-and written as OSM XML for :func:`simulators.traffic.run_simulation`, which then drives the users
-along those streets with a mix of privacy profiles (k = 5, 10, 20), through MQTT, like any
-client (contract §3). A :class:`DemoObserver` counts what the clients saw; a live table on stderr
-shows users, updates/s, queries, success rate, median cloak area and p99 latency. The run is
-stopped ``duration_s`` after the first update (or at Ctrl-C); the broker's published trajectory
-windows are counted (``GET /v1/published/windows``), everything is shut down and the report of
-:mod:`simulators.report` is written.
+:func:`run_demo` starts, at once and as child processes, the reference LBS (``kcloak lbs``,
+bundled Beijing POIs) and the broker (``kcloak serve`` with a generated TOML configuration and its
+embedded MQTT broker) on free loopback ports over a temporary data directory, so that the broker,
+the provider and the simulated users run on cores of their own, as in a deployment. Meanwhile the
+bundled Beijing street network is cropped to a square around the city centre sized for the number
+of users (:func:`demo_area`) and handed to :func:`simulators.traffic.run_simulation`, which drives
+the users along those streets with a mix of privacy profiles (k = 5, 10, 20), like any client:
+fixes and queries through MQTT (contract §3), the profiles, set once at the start, through HTTP
+(§4), which is several times quicker for thousands of users than round trips through the
+embedded MQTT broker. A :class:`DemoObserver` counts what the clients saw; a live table on
+stderr shows users, updates/s, queries, success rate, median cloak area and p99 latency.
+
+``duration_s`` is the length of the whole demo, start-up included: users move until
+:data:`TAIL_RESERVE_S` before its end (but at least half of it), which leaves time for the last
+answers and the report, so the command ends about ``duration_s`` after it started. The summary's
+``duration_s`` is the time users actually moved. Ctrl-C stops them early. Then the broker's
+published trajectory windows are counted (``GET /v1/published/windows``) and the report of
+:mod:`simulators.report` is written while the child processes shut down.
 
 Demo settings (shown in ``kcloak demo --help``, defined in :mod:`simulators.demo_cli`): each user
 sends :data:`DEMO_QUERIES_PER_MIN` range queries a minute, so that a one-minute run answers
@@ -27,14 +34,15 @@ import contextlib
 import json
 import math
 import signal
+import socket
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -44,26 +52,35 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from broker.config import Config
-from broker.mqtt import free_port
-from broker.service import Broker
 from simulators.demo_cli import (
     DEMO_MAX_AREA_SIDE_KM,
     DEMO_MAX_UPDATE_AGE_S,
+    DEMO_MIN_TRAFFIC_SHARE,
     DEMO_PUBLISH_WINDOW_S,
     DEMO_QUERIES_PER_MIN,
     DEMO_QUERY_KIND,
+    DEMO_TAIL_RESERVE_S,
     DEMO_USERS_PER_KM2,
 )
-from simulators.report import Observations, percentile, summarize, write_report
+from simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from simulators.streets import StreetGraph, load_street_graph
-from simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, run_simulation
+from simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
 from simulators.transport import TransportError
+
+T = TypeVar("T")
 
 CITY_CENTRE: Final = (39.905, 116.39)
 """Centre of the demo area (lat, lon): central Beijing, near Tiananmen."""
 
 LIVE_PERIOD_S: Final = 0.5
 PLAIN_PERIOD_S: Final = 10.0
+TAIL_RESERVE_S: Final = DEMO_TAIL_RESERVE_S
+MIN_TRAFFIC_SHARE: Final = DEMO_MIN_TRAFFIC_SHARE
+STARTUP_TIMEOUT_S: Final = 60.0
+
+
+class DemoStartupError(RuntimeError):
+    """A part of the demo could not start (port in use, a child process exited); exit 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +149,13 @@ class DemoObserver:
 class _Display:
     """Live status on stderr: a rich table refreshed twice a second on a terminal, a line every 10 s otherwise."""
 
-    def __init__(self, cfg: DemoConfig, observer: DemoObserver, *, live: bool, console: Console) -> None:
+    def __init__(
+        self, cfg: DemoConfig, observer: DemoObserver, *, live: bool, console: Console, t_start: float
+    ) -> None:
         self.cfg = cfg
         self.observer = observer
         self.console = console
+        self.t_start = t_start
         self.live = Live(console=console, auto_refresh=False, transient=False) if live else None
         self._rate_ref: tuple[float, int] = (time.monotonic(), 0)
         self._rate = 0.0
@@ -165,12 +185,15 @@ class _Display:
         if self.observer.first_update_t is not None and not self._started:
             self._started = True
             self._last_plain = now
-            self.console.print(f"      users are moving ({now - self._t_enter:.1f} s to place them)", highlight=False)
+            self.console.print(
+                f"      users are moving ({now - self._t_enter:.1f} s to place them and set their profiles)",
+                highlight=False,
+            )
         elif self._started and now - self._last_plain >= PLAIN_PERIOD_S:
             self._last_plain = now
             s = self._stats()
             self.console.print(
-                f"  {s['elapsed']:>4.0f} s  {s['users']} users  {s['rate']} updates/s  {s['queries']} queries  "
+                f"  {s['clock']:>4.0f} s  {s['users']} users  {s['rate']} updates/s  {s['queries']} queries  "
                 f"success {s['success']}  median area {s['area']}  p99 latency {s['p99']}",
                 highlight=False,
             )
@@ -181,7 +204,7 @@ class _Display:
         p99 = percentile(o.latency_s, 99)
         answers = o.answers
         return {
-            "elapsed": self.observer.running_s(),
+            "clock": time.monotonic() - self.t_start,
             "users": f"{self.observer.users_seen:,}",
             "rate": f"{self._rate:,.0f}",
             "queries": f"{o.queries:,}",
@@ -207,18 +230,25 @@ class _Display:
         )
         for name, value in rows:
             table.add_row(name, value)
-        elapsed = min(s["elapsed"], self.cfg.duration_s)
+        elapsed = min(s["clock"], self.cfg.duration_s)
         bar = ProgressBar(total=self.cfg.duration_s, completed=elapsed, width=40)
         clock = Table.grid(padding=(0, 1))
         clock.add_row(bar, f"{elapsed:.0f}/{self.cfg.duration_s:.0f} s  (Ctrl-C stops early)")
         return Group(table, clock)
 
 
-def demo_broker_config(cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mqtt_port: int) -> Config:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def demo_broker_config(cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mqtt_port: int, http_port: int) -> Config:
     """The broker's configuration for the demo: loopback only, temp data dir, short publication windows."""
     return Config().with_values(
         {
-            "http.listen": "127.0.0.1:0",
+            "http.listen": f"127.0.0.1:{http_port}",
             "mqtt.mode": "embedded",
             "mqtt.listen": f"127.0.0.1:{mqtt_port}",
             "upstream.url": upstream_url,
@@ -227,6 +257,7 @@ def demo_broker_config(cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mq
             "cloaking.max_update_age_s": cfg.max_update_age_s,
             "publish.window_s": cfg.publish_window_s,
             "log.level": "warning",
+            "log.format": "text",
         }
     )
 
@@ -293,13 +324,6 @@ def demo_area(users: int) -> tuple[float, float, float, float]:
     half_lon = half_lat / math.cos(math.radians(CITY_CENTRE[0]))
     lat, lon = CITY_CENTRE
     return (round(lon - half_lon, 6), round(lat - half_lat, 6), round(lon + half_lon, 6), round(lat + half_lat, 6))
-
-
-def crop_streets(graph: StreetGraph, bbox: tuple[float, float, float, float]) -> StreetGraph:
-    """The largest strongly connected part of the streets inside ``bbox`` (min_lon, min_lat, max_lon, max_lat)."""
-    lo_lon, lo_lat, hi_lon, hi_lat = bbox
-    keep = (graph.lon > lo_lon) & (graph.lon < hi_lon) & (graph.lat > lo_lat) & (graph.lat < hi_lat)
-    return graph.subgraph(keep).largest_component()
 
 
 def street_chains(graph: StreetGraph) -> list[tuple[list[int], int, bool]]:
@@ -372,67 +396,150 @@ def write_osm(graph: StreetGraph, path: Path) -> None:
         fh.write("</osm>\n")
 
 
-def prepare_streets(path: Path, bbox: tuple[float, float, float, float]) -> StreetGraph:
-    """Crop the bundled Beijing network to ``bbox`` and write it to ``path`` for the simulation."""
-    graph = crop_streets(load_street_graph(), bbox)
-    write_osm(graph, path)
-    return graph
+def prepare_streets(bbox: tuple[float, float, float, float]) -> StreetGraph:
+    """The bundled Beijing network cropped to ``bbox`` (its largest strongly connected part)."""
+    return crop_streets(load_street_graph(), bbox)
 
 
-class ReferenceLbs:
-    """``kcloak lbs`` (bundled Beijing POIs) as a child process on a free loopback port (async context manager).
+class ChildProcess:
+    """A ``kcloak`` subcommand as a child process on loopback (async context manager).
 
-    A process of its own, as in a deployment: the provider's search runs on another core than the
-    broker. Entering only spawns it (so the broker can start meanwhile); :meth:`ready` waits for it.
-    It runs in a new session so that a terminal's Ctrl-C reaches the demo only, which stops the
-    simulation first and the provider last.
+    It runs in a new session, so that a terminal's Ctrl-C reaches the demo only, which stops the
+    simulation first and its children last; leaving the context terminates it (SIGTERM, then
+    SIGKILL after ``stop_timeout_s``) whatever happened inside. Its stderr goes to ``log_path``,
+    whose last line explains a failed start. Entering only spawns it; :meth:`wait_ready` polls an
+    HTTP route until it answers.
     """
 
-    def __init__(self, *, startup_timeout_s: float = 30.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.startup_timeout_s = startup_timeout_s
-        self._proc: asyncio.subprocess.Process | None = None
+    name: str = "child"
 
-    async def __aenter__(self) -> ReferenceLbs:
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "broker.cli",
-            "lbs",
-            "--http",
-            f"127.0.0.1:{self.port}",
-            "--log-level",
-            "warning",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    def __init__(self, args: list[str], *, log_path: Path, stop_timeout_s: float = 10.0) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.stop_timeout_s = stop_timeout_s
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log: IO[bytes] | None = None
+
+    async def __aenter__(self) -> Self:
+        self._log = self.log_path.open("wb")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "broker.cli",
+                *self.args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=self._log,
+                start_new_session=True,
+            )
+        except BaseException:
+            self._log.close()
+            raise
         return self
 
-    async def ready(self) -> int:
-        """Wait until the provider answers; returns the number of POIs it serves (OSError if it never does)."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._proc is None or self._proc.returncode is not None or time.monotonic() > deadline:
-                raise OSError(f"the reference LBS did not start on 127.0.0.1:{self.port}")
-            doc = await asyncio.to_thread(_get_json, f"{self.url}/v1/categories")
-            if isinstance(doc, dict) and isinstance(doc.get("categories"), list):
-                return sum(int(c.get("count", 0)) for c in doc["categories"] if isinstance(c, dict))
-            await asyncio.sleep(0.1)
-
     async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.stop()
+        finally:
+            if self._log is not None:
+                self._log.close()
+
+    async def stop(self) -> None:
+        """Terminate the process and wait for it (idempotent)."""
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(self.stop_timeout_s):
                 await proc.wait()
         except TimeoutError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
+        except BaseException:  # cancelled (a second Ctrl-C): do not leave it running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise
+
+    def _last_error(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines() if ln]
+        except OSError:
+            return ""
+        return lines[-1].strip()[:300] if lines else ""
+
+    async def wait_ready(self, url: str, *, timeout_s: float, accept: Callable[[Any], bool]) -> Any:
+        """Poll ``GET url`` until ``accept`` takes its JSON body; :class:`DemoStartupError` if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc is None or self._proc.returncode is not None:
+                detail = self._last_error()
+                raise DemoStartupError(f"{self.name} did not start" + (f": {detail}" if detail else ""))
+            if time.monotonic() > deadline:
+                raise DemoStartupError(f"{self.name} did not answer within {timeout_s:g} s")
+            doc = await asyncio.to_thread(_get_json, url)
+            if doc is not None and accept(doc):
+                return doc
+            await asyncio.sleep(0.1)
+
+
+class ReferenceLbs(ChildProcess):
+    """``kcloak lbs`` (bundled Beijing POIs) on a free loopback port: the provider searches on another core."""
+
+    name = "the reference LBS"
+
+    def __init__(self, *, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(
+            ["lbs", "--http", f"127.0.0.1:{self.port}", "--log-level", "warning"], log_path=log_path, stop_timeout_s=5.0
+        )
+
+    async def ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> int:
+        """Wait until the provider answers; returns the number of POIs it serves."""
+        doc = await self.wait_ready(
+            f"{self.url}/v1/categories",
+            timeout_s=timeout_s,
+            accept=lambda d: isinstance(d, dict) and isinstance(d.get("categories"), list),
+        )
+        return sum(int(c.get("count", 0)) for c in doc["categories"] if isinstance(c, dict))
+
+
+class BrokerProcess(ChildProcess):
+    """``kcloak serve --config <generated TOML>`` with its embedded MQTT broker, on free loopback ports.
+
+    The broker runs in a process of its own, so cloaking, storing fixes and publishing answers do
+    not compete with the simulated users for one interpreter.
+    """
+
+    name = "the kcloak broker"
+
+    def __init__(self, config: Config, *, workdir: Path) -> None:
+        self.config = config
+        self.config_path = workdir / "kcloak.toml"
+        self.http_port = int(config.http.listen.rsplit(":", 1)[1])
+        self.mqtt_port = int(config.mqtt.listen.rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        grace = config.server.shutdown_grace_s
+        super().__init__(
+            ["serve", "--config", str(self.config_path)], log_path=workdir / "broker.log", stop_timeout_s=grace + 5.0
+        )
+
+    async def __aenter__(self) -> Self:
+        self.config_path.write_text(self.config.to_toml(), encoding="utf-8")
+        await super().__aenter__()
+        return self
+
+    async def ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until ``GET /healthz`` answers ok (HTTP listens once the MQTT door is connected)."""
+        await self.wait_ready(
+            f"{self.url}/healthz",
+            timeout_s=timeout_s,
+            accept=lambda d: isinstance(d, dict) and d.get("status") == "ok",
+        )
 
 
 def _get_json(url: str) -> Any:
@@ -444,11 +551,17 @@ def _get_json(url: str) -> Any:
         return None
 
 
-async def _deadline(observer: DemoObserver, duration_s: float, stop: asyncio.Event) -> None:
-    """Set ``stop`` ``duration_s`` after the first update, whatever the simulation's own pacing."""
+def traffic_end(t_start: float, first_update_t: float, duration_s: float) -> float:
+    """When users stop (monotonic clock): :data:`TAIL_RESERVE_S` before the demo's end, but after at
+    least :data:`MIN_TRAFFIC_SHARE` of ``duration_s`` of traffic."""
+    return max(t_start + duration_s - TAIL_RESERVE_S, first_update_t + MIN_TRAFFIC_SHARE * duration_s)
+
+
+async def _deadline(observer: DemoObserver, t_start: float, duration_s: float, stop: asyncio.Event) -> None:
+    """Set ``stop`` at :func:`traffic_end`, whatever the simulation's own pacing."""
     while observer.first_update_t is None:
         await asyncio.sleep(0.05)
-    await asyncio.sleep(max(0.0, observer.first_update_t + duration_s - time.monotonic()))
+    await asyncio.sleep(max(0.0, traffic_end(t_start, observer.first_update_t, duration_s) - time.monotonic()))
     stop.set()
 
 
@@ -459,35 +572,44 @@ async def run_demo(
     say: Callable[[str], None] | None = None,
     live: bool = False,
     console: Console | None = None,
+    started: float | None = None,
 ) -> DemoResult:
     """Run the demo and write its report; ``stop`` (or SIGINT/SIGTERM) ends the simulation early.
 
-    The simulation is stopped ``duration_s`` after its first update even if it falls behind its
-    own schedule (an overloaded machine), so the demo ends on time; then outstanding answers are
-    awaited briefly (:data:`simulators.traffic.STOP_DRAIN_S`).
+    ``started`` (:func:`time.monotonic`; default now) is when the demo began, e.g. when the
+    ``kcloak`` process started: ``duration_s`` and the timings count from there.
+
+    Users stop at :func:`traffic_end` even if the simulation falls behind its own schedule (an
+    overloaded machine), so the demo ends on time; outstanding answers are then awaited briefly
+    (:data:`simulators.traffic.STOP_DRAIN_S`). Raises :class:`DemoStartupError` when the broker or
+    the provider cannot start, :class:`TransportError` when the MQTT broker is unreachable.
     """
     err = console or Console(stderr=True)
     tell = say or (lambda msg: err.print(msg, highlight=False))
     stop = stop or asyncio.Event()
-    t_start = time.monotonic()
+    t_start = time.monotonic() if started is None else started
     timings: dict[str, float] = {}
     observer = DemoObserver()
     broken: str | None = None
     interrupt = asyncio.Event()
     area = cfg.area or demo_area(cfg.users)
+    sim_summary: SimulationSummary | None = None
     with _sigint_stops(interrupt), tempfile.TemporaryDirectory(prefix="kcloak-demo-") as tmp:
-        osm = Path(tmp) / "streets.osm"
-        streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, osm, area))
+        work = Path(tmp)
+        streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
         try:
-            async with ReferenceLbs() as lbs:
-                mqtt_port = free_port()
-                bcfg = demo_broker_config(cfg, data_dir=Path(tmp) / "data", upstream_url=lbs.url, mqtt_port=mqtt_port)
-                async with Broker(config=bcfg) as broker:
+            async with ReferenceLbs(log_path=work / "lbs.log") as lbs:
+                bcfg = demo_broker_config(
+                    cfg, data_dir=work / "data", upstream_url=lbs.url, mqtt_port=free_port(), http_port=free_port()
+                )
+                async with BrokerProcess(bcfg, workdir=work) as broker:
+                    await _first_of(broker.ready(), interrupt)
                     tell(
-                        f"[1/4] kcloak broker: algorithm {cfg.algorithm}, embedded MQTT on 127.0.0.1:{mqtt_port}, "
-                        f"HTTP on 127.0.0.1:{broker.http_port} ({time.monotonic() - t_start:.1f} s)"
+                        f"[1/4] kcloak broker: algorithm {cfg.algorithm}, embedded MQTT on "
+                        f"127.0.0.1:{broker.mqtt_port}, HTTP on 127.0.0.1:{broker.http_port} "
+                        f"({time.monotonic() - t_start:.1f} s)"
                     )
-                    n_pois = await lbs.ready()
+                    n_pois = await _first_of(lbs.ready(), interrupt)
                     tell(
                         f"[2/4] reference LBS: {n_pois} Beijing POIs on {lbs.url} ({time.monotonic() - t_start:.1f} s)"
                     )
@@ -497,26 +619,27 @@ async def run_demo(
                     timings["startup_s"] = time.monotonic() - t_start
                     tell(
                         f"[3/4] {cfg.users:,} users on {km:,.0f} km of streets in central Beijing "
-                        f"({side_km:.1f} km x {side_km:.1f} km) for {cfg.duration_s:g} s, {cfg.queries_per_min:g} "
-                        f"{cfg.query_kind} queries per user per minute, profiles k = 5/10/20 "
+                        f"({side_km:.1f} km x {side_km:.1f} km), {cfg.queries_per_min:g} {cfg.query_kind} queries "
+                        f"per user per minute, profiles k = 5/10/20, until {cfg.duration_s:g} s "
                         f"({timings['startup_s']:.1f} s; Ctrl-C stops early)"
                     )
                     sim = SimulationConfig(
                         users=cfg.users,
                         model="street",
-                        osm=osm,
+                        graph=streets,
                         query_rate_per_min=cfg.queries_per_min,
                         query_kind=cfg.query_kind,
                         duration_s=cfg.duration_s,
                         seed=cfg.seed,
-                        broker=f"mqtt://127.0.0.1:{mqtt_port}",
+                        broker=f"mqtt://127.0.0.1:{broker.mqtt_port}",
+                        profile_broker=broker.url,
                     )
                     t_sim = time.monotonic()
+                    plotting = asyncio.create_task(asyncio.to_thread(load_plotting))
                     stop_on = asyncio.create_task(_forward(interrupt, stop))
-                    timer = asyncio.create_task(_deadline(observer, cfg.duration_s, stop))
-                    sim_summary: SimulationSummary | None = None
+                    timer = asyncio.create_task(_deadline(observer, t_start, cfg.duration_s, stop))
                     try:
-                        with _Display(cfg, observer, live=live, console=err) as display:
+                        with _Display(cfg, observer, live=live, console=err, t_start=t_start) as display:
                             task = asyncio.create_task(run_simulation(sim, observer=observer, stop=stop))
                             while not task.done():
                                 await asyncio.wait([task], timeout=LIVE_PERIOD_S)
@@ -530,36 +653,66 @@ async def run_demo(
                         timer.cancel()
                         stop_on.cancel()
                     timings["simulation_s"] = time.monotonic() - t_sim
-                    published = await asyncio.to_thread(count_published_windows, broker.http_port or 0)
+                    moving_s = sim_summary.duration_s if sim_summary is not None else observer.running_span_s()
+                    if observer.first_update_t is not None:
+                        timings["placing_s"] = observer.first_update_t - t_sim
+                        timings["moving_s"] = moving_s
+                        timings["drain_s"] = max(timings["simulation_s"] - timings["placing_s"] - moving_s, 0.0)
+                    published = await asyncio.to_thread(count_published_windows, broker.http_port)
+                    t_report = time.monotonic()
+                    if broken is not None:
+                        tell(f"      the simulation ended early: {broken}")
+                    tell(f"[4/4] writing the report to {cfg.report_dir}")
+                    summary = summarize(
+                        observer.obs,
+                        users=cfg.users,
+                        duration_s=moving_s,
+                        algorithm=cfg.algorithm,
+                        published_windows=published,
+                        skipped_steps=sim_summary.skipped_steps if sim_summary is not None else 0,
+                    )
+                    with contextlib.suppress(Exception):
+                        await plotting
+                    # The report is drawn while the broker and the provider shut down.
+                    report_task = asyncio.create_task(
+                        asyncio.to_thread(
+                            write_report,
+                            cfg.report_dir,
+                            observer.obs,
+                            summary,
+                            streets=streets,
+                            max_area_m2=bcfg.profile.max_area_m2,
+                            requested_k=_requested_k(),
+                        )
+                    )
+                    try:
+                        await asyncio.gather(broker.stop(), lbs.stop())
+                    finally:
+                        files = await report_task
         finally:
             if not streets_task.done():
                 streets_task.cancel()
             with contextlib.suppress(BaseException):
                 await streets_task
-    if broken is not None:
-        tell(f"      the simulation ended early: {broken}")
-    t_report = time.monotonic()
-    tell(f"[4/4] writing the report to {cfg.report_dir}")
-    duration_s = sim_summary.duration_s if sim_summary is not None else observer.running_span_s()
-    summary = summarize(
-        observer.obs,
-        users=cfg.users,
-        duration_s=duration_s,
-        algorithm=cfg.algorithm,
-        published_windows=published,
-    )
-    files = await asyncio.to_thread(
-        write_report,
-        cfg.report_dir,
-        observer.obs,
-        summary,
-        streets=streets,
-        max_area_m2=bcfg.profile.max_area_m2,
-        requested_k=_requested_k(),
-    )
     timings["report_s"] = time.monotonic() - t_report
     timings["total_s"] = time.monotonic() - t_start
     return DemoResult(summary=summary, files=files, timings_s=timings, interrupted=interrupt.is_set())
+
+
+async def _first_of(work: Awaitable[T], interrupt: asyncio.Event) -> T:
+    """Await ``work``; a Ctrl-C meanwhile (``interrupt``) cancels it and raises :class:`KeyboardInterrupt`."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(interrupt.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise KeyboardInterrupt
+    return task.result()
 
 
 async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
@@ -582,15 +735,18 @@ def print_summary(result: DemoResult, cfg: DemoConfig, console: Console) -> None
         return f"{v * scale:,.{digits}f}{unit}"
 
     rate = s["success_rate"]
+    n_skipped = int(s.get("skipped_steps") or 0)
+    skipped = f"; {n_skipped} one-second steps skipped, the machine fell behind" if n_skipped else ""
     refusals = ", ".join(f"{code} {n:,}" for code, n in s["refusals"].items()) or "none"
     rows = (
         ("algorithm", s["algorithm"]),
         ("users", fmt(s["users"])),
-        ("duration", fmt(s["duration_s"], " s")),
-        ("updates", f"{s['updates']:,} ({s['updates_per_s']:,.0f}/s)"),
+        ("users moving", fmt(s["duration_s"], " s")),
+        ("updates", f"{s['updates']:,} ({s['updates_per_s']:,.0f}/s)" + skipped),
         ("queries", fmt(s["queries"])),
         ("answered ok", fmt(s["ok"])),
         ("refused", f"{s['refused']:,} ({refusals})"),
+        *((("unanswered", fmt(s["unanswered"])),) if s.get("unanswered") else ()),
         ("success rate", "–" if rate is None else f"{rate * 100:.1f} %"),
         ("median cloak area", fmt(s["cloak_area_m2_median"], " km²", 1e-6, 3)),
         ("mean achieved k", fmt(s["achieved_k_mean"], "", 1.0, 2)),
@@ -602,7 +758,8 @@ def print_summary(result: DemoResult, cfg: DemoConfig, console: Console) -> None
     console.print(table)
     t = result.timings_s
     console.print(
-        f"startup {t.get('startup_s', 0):.1f} s, simulation {t.get('simulation_s', 0):.1f} s, "
+        f"start-up {t.get('startup_s', 0):.1f} s, placing users {t.get('placing_s', 0):.1f} s, "
+        f"users moving {t.get('moving_s', 0):.1f} s, last answers {t.get('drain_s', 0):.1f} s, "
         f"report {t.get('report_s', 0):.1f} s, total {t.get('total_s', 0):.1f} s"
         + (" (stopped early)" if result.interrupted else ""),
         highlight=False,

@@ -6,10 +6,12 @@ sent and the answers it got back (contract §3 answer JSON: ``status``, ``reason
 object; :func:`write_report` writes it beside ``map.png`` (users and a sample of cloaked regions
 over the street network), ``cloak_area.png``, ``achieved_k.png`` and ``latency.png``
 (distributions). Pictures are drawn on :class:`matplotlib.figure.Figure` objects rendered by the
-Agg canvas, so no GUI backend or global pyplot state is touched.
+Agg canvas, so no GUI backend or global pyplot state is touched; matplotlib is imported on first
+use (:func:`load_plotting` warms it up ahead of time).
 
 Definitions (also in ``kcloak demo --help``): ``queries`` counts queries sent; ``ok`` and
-``refused`` count answers; ``success_rate`` = ``ok / (ok + refused)``; latency is the client's
+``refused`` count answers and ``unanswered`` the queries left without one when the run ended
+(``queries = ok + refused + unanswered``); ``success_rate`` = ``ok / (ok + refused)``; latency is the client's
 time from sending a query to receiving its answer (ok or refused), p50/p99 by linear
 interpolation between order statistics (numpy's default); ``cloak_area_m2_median`` and
 ``achieved_k_mean`` are over ``ok`` answers (CONCEPTS §9 quality measures: area and k of the
@@ -18,7 +20,6 @@ forwarded region).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -26,16 +27,16 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
-from matplotlib.collections import LineCollection, PatchCollection
-from matplotlib.colors import Normalize
-from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
 
 from simulators.streets import StreetGraph
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from matplotlib.path import Path as MplPath
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -57,6 +58,10 @@ SUMMARY_KEYS: Final = (
     "published_windows",
 )
 """Keys of ``summary.json``, in the contract's order (§9 ``--json`` shapes, ``demo``)."""
+
+EXTENSION_KEYS: Final = ("unanswered", "skipped_steps")
+"""Keys ``summary.json`` adds after the contract's: queries left without an answer when the run
+ended, and simulation steps skipped because the machine fell behind the one-second schedule."""
 
 PICTURES: Final = ("map.png", "cloak_area.png", "achieved_k.png", "latency.png")
 """The report's pictures (contract §9 ``demo``)."""
@@ -155,8 +160,9 @@ def summarize(
     duration_s: float,
     algorithm: str,
     published_windows: int,
+    skipped_steps: int = 0,
 ) -> dict[str, Any]:
-    """The contract's ``summary.json`` object, keys in the contract's order (§9)."""
+    """The contract's ``summary.json`` object, keys in the contract's order (§9), then :data:`EXTENSION_KEYS`."""
     answers = obs.answers
     lat_ms = [s * 1000.0 for s in obs.latency_s]
     summary: dict[str, Any] = {
@@ -175,8 +181,10 @@ def summarize(
         "latency_ms_p50": _round(percentile(lat_ms, 50), 3),
         "latency_ms_p99": _round(percentile(lat_ms, 99), 3),
         "published_windows": published_windows,
+        "unanswered": max(obs.queries - answers, 0),
+        "skipped_steps": skipped_steps,
     }
-    assert tuple(summary) == SUMMARY_KEYS
+    assert tuple(summary) == SUMMARY_KEYS + EXTENSION_KEYS
     return summary
 
 
@@ -184,22 +192,43 @@ def summarize(
 # Pictures
 
 
-def _street_segments(streets: StreetGraph) -> tuple[npt.NDArray[np.float64], FloatArray]:
-    """One segment per undirected street edge as ``(n, 2, 2)`` lon/lat, and a line width by class."""
+STREET_WIDTHS: Final = (
+    (frozenset({"motorway", "trunk", "primary", "motorway_link", "trunk_link"}), 0.7),
+    (frozenset({"secondary", "tertiary", "primary_link"}), 0.45),
+)
+"""Line width (points) of the major and middle street classes; every other class is drawn 0.25 wide."""
+
+PATH_CHUNK: Final = 4000
+"""Segments per drawn path (Agg renders long compound paths in pieces anyway)."""
+
+
+def _street_paths(streets: StreetGraph) -> list[tuple[MplPath, float]]:
+    """The streets as a few compound paths (one segment per undirected edge), each with its line width.
+
+    One path per width class and :data:`PATH_CHUNK` segments, instead of one artist per segment,
+    keeps drawing a city's tens of thousands of segments well under a second.
+    """
+    from matplotlib.path import Path as MplPath
+
     lo = np.minimum(streets.tail, streets.head)
     hi = np.maximum(streets.tail, streets.head)
     _, first = np.unique(lo * streets.nodes + hi, return_index=True)
     tail, head = streets.tail[first], streets.head[first]
-    seg = np.empty((first.size, 2, 2))
-    seg[:, 0, 0], seg[:, 0, 1] = streets.lon[tail], streets.lat[tail]
-    seg[:, 1, 0], seg[:, 1, 1] = streets.lon[head], streets.lat[head]
-    major = {"motorway", "trunk", "primary", "motorway_link", "trunk_link"}
-    middle = {"secondary", "tertiary", "primary_link"}
     widths_by_class = np.array(
-        [0.7 if h in major else 0.45 if h in middle else 0.25 for h in streets.highway], dtype=np.float64
+        [next((w for names, w in STREET_WIDTHS if h in names), 0.25) for h in streets.highway], dtype=np.float64
     )
     widths: FloatArray = widths_by_class[streets.edge_class[first]] if streets.highway else np.full(first.size, 0.25)
-    return seg, widths
+    out: list[tuple[MplPath, float]] = []
+    for width in sorted(set(widths.tolist())):
+        sel = np.flatnonzero(widths == width)
+        for start in range(0, sel.size, PATH_CHUNK):
+            part = sel[start : start + PATH_CHUNK]
+            verts = np.empty((2 * part.size, 2))
+            verts[0::2, 0], verts[0::2, 1] = streets.lon[tail[part]], streets.lat[tail[part]]
+            verts[1::2, 0], verts[1::2, 1] = streets.lon[head[part]], streets.lat[head[part]]
+            codes = np.tile(np.array([MplPath.MOVETO, MplPath.LINETO], dtype=MplPath.code_type), part.size)
+            out.append((MplPath(verts, codes), width))
+    return out
 
 
 def _extent(lat: FloatArray, lon: FloatArray, streets: StreetGraph | None) -> tuple[float, float, float, float]:
@@ -256,22 +285,33 @@ def plot_map(
     Two panels: the whole street network, and a square of side ``2·zoom_half_m`` around a region
     near the users' median position, where single regions and the users inside them are visible.
     """
+    from matplotlib.collections import PatchCollection, PathCollection
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
     fig = Figure(figsize=(12.0, 6.2), dpi=dpi, layout="constrained")
     axes = fig.subplots(1, 2)
     full = _extent(lat, lon, streets)
     full_side_m = math.radians(full[3] - full[1]) * 6_371_008.8
     zoom_half_m = min(zoom_half_m, full_side_m / 5)  # the zoom shows at most 2/5 of the map's height
     zoom = _zoom_box(lat, lon, regions, zoom_half_m) or full
-    segments, widths = _street_segments(streets) if streets is not None else (np.empty((0, 2, 2)), np.empty(0))
+    street_paths = _street_paths(streets) if streets is not None else []
     ks = [r.k_achieved for r in regions]
     norm = Normalize(vmin=min(ks), vmax=max(min(ks) + 1, float(np.percentile(ks, 95)))) if ks else None
     mid_lat = (full[1] + full[3]) / 2
     mappable: PatchCollection | None = None
     for ax, (x0, y0, x1, y1), scale in ((axes[0], full, 1.0), (axes[1], zoom, 2.2)):
-        if segments.size:
-            ax.add_collection(
-                LineCollection(list(segments), linewidths=widths * scale, colors="#b8b8b8", zorder=1, rasterized=True)
+        if street_paths:
+            streets_art = PathCollection(
+                [path for path, _ in street_paths],
+                linewidths=[width * scale for _, width in street_paths],
+                facecolors="none",
+                edgecolors="#b8b8b8",
+                zorder=1,
+                rasterized=True,
             )
+            ax.add_collection(streets_art, autolim=False)
         if regions and norm is not None:
             rects = [Rectangle((r.min_lon, r.min_lat), r.max_lon - r.min_lon, r.max_lat - r.min_lat) for r in regions]
             coll = PatchCollection(rects, cmap="plasma", norm=norm, alpha=0.3, zorder=2, linewidths=0.6 * scale)
@@ -307,13 +347,15 @@ def plot_map(
 
 def _save_palette_png(fig: Figure, path: Path, dpi: int) -> None:
     """Save as an optimized 256-colour PNG (a street map is a few flat colours: about a third of the RGBA size)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from PIL import Image
 
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png")
-    buf.seek(0)
-    with Image.open(buf) as img:
-        img.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+    fig.set_dpi(dpi)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # type: ignore[no-untyped-call]
+    buf = canvas.buffer_rgba()  # type: ignore[no-untyped-call]
+    rgba = Image.frombuffer("RGBA", canvas.get_width_height(), buf, "raw", "RGBA", 0, 1)
+    rgba.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
 
 
 def _log_bins(values: FloatArray, n: int = 40) -> FloatArray | int:
@@ -335,6 +377,8 @@ def _histogram(
     dpi: int = 100,
 ) -> None:
     """One histogram with labelled vertical marks (value, label, colour); an empty one says so."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6.4, 4.0), dpi=dpi, layout="constrained")
     ax = fig.subplots()
     data = np.asarray(values, dtype=np.float64)
@@ -402,6 +446,17 @@ def plot_latency(path: Path, latency_s: Sequence[float]) -> None:
         if v is not None:
             marks.append((v, f"p{q} {v:.1f} ms", colour))
     _histogram(path, ms, xlabel="query → answer latency (ms)", title=f"Latency of {len(ms):,} answers", marks=marks)
+
+
+def load_plotting() -> None:
+    """Import what the pictures need (about a second), e.g. in a worker thread while a run goes on."""
+    import matplotlib.backends.backend_agg
+    import matplotlib.collections
+    import matplotlib.colors
+    import matplotlib.figure
+    import matplotlib.patches
+    import matplotlib.path  # noqa: F401
+    from PIL import Image  # noqa: F401
 
 
 def write_summary(path: Path, summary: Mapping[str, Any]) -> None:

@@ -6,12 +6,24 @@ a Poisson process of ``query_rate_per_min`` per user (the superposition of the u
 is one Poisson process of rate ``users × rate``, each event landing on a uniformly chosen user;
 within a step the event times are uniform, which is exactly a Poisson process conditioned on its
 count). Before traffic starts, each user's stored profile is set from a weighted mix
-(``--profile-mix``; default 50 % k=5, 30 % k=10, 20 % k=20) through the profile topic or route.
+(``--profile-mix``; default 50 % k=5, 30 % k=10, 20 % k=20) through the profile topic or route
+(or another door, ``profile_broker``: 3000 HTTP requests take a fraction of the time 3000 MQTT
+round trips through the embedded MQTT broker do), while the users are placed on the model.
 
 The engine talks to the broker only through the contract, via :mod:`simulators.client`: in open
 mode one gateway connection sends each step's fixes as batch messages (``kcloak/v1/updates/…``,
 ``POST /v1/locations``), with tokens each user sends its own fix on its own topic or route.
 Query latency is measured from the query's **intended** send time (its Poisson event time).
+
+Steps are paced on the wall clock: step ``i`` is due at ``t0 + i·dt_s``. A run that falls a whole
+step or more behind (an overloaded machine) does not queue the late steps: it skips to the step
+now due, moving the users by the time that passed, and counts the steps it skipped
+(:attr:`SimulationSummary.skipped_steps`), so a run never outlasts ``duration_s`` and the fixes
+it sends always carry the current time.
+
+The street model drives on the bundled Beijing network, an ``--osm`` file, or a ready
+:class:`~simulators.streets.StreetGraph` (``graph``); ``bbox`` crops either network to a box
+(its largest strongly connected part), so a caller never needs to write and re-parse an OSM crop.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -42,7 +54,7 @@ from simulators.client import (
     percentiles_ms,
 )
 from simulators.mobility import MobilityModel
-from simulators.streets import StreetMovement, load_street_graph
+from simulators.streets import StreetGraph, StreetMovement, load_street_graph
 from simulators.transport import BrokerUrl
 
 QUERY_KINDS = ("range", "knn", "mix")
@@ -136,6 +148,12 @@ class SimulationConfig:
     broker: str = "mqtt://127.0.0.1:1883"
     tokens: Path | None = None
     query_kind: str = "mix"
+    graph: StreetGraph | None = field(default=None, compare=False, repr=False)
+    """A ready street network for ``model="street"`` (instead of ``osm`` or the bundled sample)."""
+    bbox: tuple[float, float, float, float] | None = None
+    """``(min_lon, min_lat, max_lon, max_lat)``: the street network is cropped to this box."""
+    profile_broker: str | None = None
+    """Set the stored profiles through this door (e.g. the broker's ``http://`` URL) instead of ``broker``."""
 
     def __post_init__(self) -> None:
         if self.users < 1:
@@ -154,8 +172,20 @@ class SimulationConfig:
             raise SimulationInputError(f"--query-kind: must be one of {', '.join(QUERY_KINDS)}")
         try:
             BrokerUrl.parse(self.broker)
+            if self.profile_broker is not None:
+                BrokerUrl.parse(self.profile_broker)
         except ValueError as exc:
             raise SimulationInputError(str(exc)) from None
+        if (self.graph is not None or self.bbox is not None) and self.model != "street":
+            raise SimulationInputError("a street graph or bbox needs model 'street'")
+        if self.graph is not None and self.osm is not None:
+            raise SimulationInputError("give either an OSM file or a street graph, not both")
+        if self.graph is not None and self.graph.nodes == 0:
+            raise SimulationInputError("the street graph has no node")
+        if self.bbox is not None:
+            lo_lon, lo_lat, hi_lon, hi_lat = self.bbox
+            if not all(math.isfinite(v) for v in self.bbox) or not (lo_lon < hi_lon and lo_lat < hi_lat):
+                raise SimulationInputError("bbox: must be finite (min_lon, min_lat, max_lon, max_lat) with min < max")
 
 
 class SimulationObserver(Protocol):
@@ -210,12 +240,13 @@ class SimulationSummary:
     profiles_refused: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     latency_ms: dict[str, float | None] = field(default_factory=dict)
+    skipped_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """``users, sent, accepted (null over MQTT), refused {code: n}, duration_s, queries, answers {ok, refused}``.
 
         Extensions: ``answers.unanswered`` and ``answers.reasons`` (refusal codes), ``profiles``,
-        ``errors``, ``latency_ms`` and ``transport``.
+        ``errors``, ``latency_ms``, ``transport``, ``steps`` (sent) and ``skipped_steps``.
         """
         return {
             "users": self.users,
@@ -234,18 +265,49 @@ class SimulationSummary:
             "errors": dict(sorted(self.errors.items())),
             "latency_ms": self.latency_ms,
             "transport": self.transport,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
         }
 
 
-def build_model(name: str, users: int, *, osm: Path | None = None, seed: int | None = None) -> MobilityModel:
-    """The model behind ``--model`` (``street`` on ``--osm`` or the bundled Beijing sample)."""
-    s = seed if seed is not None else secrets.randbits(32)
-    if name == "street" and osm is not None:
+def crop_streets(graph: StreetGraph, bbox: tuple[float, float, float, float]) -> StreetGraph:
+    """The largest strongly connected part of the streets inside ``bbox`` (min_lon, min_lat, max_lon, max_lat)."""
+    lo_lon, lo_lat, hi_lon, hi_lat = bbox
+    keep = (graph.lon > lo_lon) & (graph.lon < hi_lon) & (graph.lat > lo_lat) & (graph.lat < hi_lat)
+    return graph.subgraph(keep).largest_component()
+
+
+def street_graph(
+    *, osm: Path | None = None, graph: StreetGraph | None = None, bbox: tuple[float, float, float, float] | None = None
+) -> StreetGraph:
+    """The street network of a run: ``graph``, else ``osm``, else the bundled sample; cropped to ``bbox`` if given."""
+    if graph is None:
         try:
             graph = load_street_graph(osm)
         except (OSError, ValueError) as exc:
-            raise SimulationInputError(f"--osm: cannot use {Path(osm).name} ({exc})") from None
-        return StreetMovement(users, graph, seed=s)
+            name = Path(osm).name if osm is not None else "the bundled street network"
+            raise SimulationInputError(f"--osm: cannot use {name} ({exc})") from None
+    if bbox is not None:
+        graph = crop_streets(graph, bbox)
+        if graph.edges == 0:
+            raise SimulationInputError("bbox: no street inside the box")
+    return graph
+
+
+def build_model(
+    name: str,
+    users: int,
+    *,
+    osm: Path | None = None,
+    seed: int | None = None,
+    graph: StreetGraph | None = None,
+    bbox: tuple[float, float, float, float] | None = None,
+) -> MobilityModel:
+    """The model behind ``--model``: ``street`` drives on ``graph``, ``--osm`` or the bundled Beijing sample,
+    cropped to ``bbox`` when given."""
+    s = seed if seed is not None else secrets.randbits(32)
+    if name == "street" and (osm is not None or graph is not None or bbox is not None):
+        return StreetMovement(users, street_graph(osm=osm, graph=graph, bbox=bbox), seed=s)
     try:
         return build_bundled_model(name, users, seed=s)
     except ValueError as exc:
@@ -274,9 +336,9 @@ def _hook(observer: object | None, name: str) -> Any:
     return getattr(observer, name, None) if observer is not None else None
 
 
-async def _sleep_until(wall_t: float, stop: asyncio.Event | None) -> bool:
-    """Sleep until ``time.time()`` reaches ``wall_t``; True if ``stop`` was set first."""
-    delay = wall_t - time.time()
+async def _sleep_until(wall_t: float, stop: asyncio.Event | None, clock: Callable[[], float] = time.time) -> bool:
+    """Sleep until ``clock()`` reaches ``wall_t``; True if ``stop`` was set first."""
+    delay = wall_t - clock()
     if stop is None:
         if delay > 0:
             await asyncio.sleep(delay)
@@ -293,6 +355,15 @@ async def _sleep_until(wall_t: float, stop: asyncio.Event | None) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class DriveOutcome:
+    """What :func:`_drive` did: steps sent, steps skipped (behind schedule) and seconds run."""
+
+    steps: int
+    skipped_steps: int
+    elapsed_s: float
+
+
 async def _drive(
     cfg: SimulationConfig,
     client: MqttKcloakClient | HttpKcloakClient,
@@ -303,36 +374,51 @@ async def _drive(
     stop: asyncio.Event | None,
     *,
     paced: bool,
-) -> tuple[int, float]:
-    """Step, send fixes and queries until ``duration_s`` has passed or ``stop`` is set: ``(steps, seconds)``."""
+    clock: Callable[[], float] = time.time,
+) -> DriveOutcome:
+    """Step, send fixes and queries until ``duration_s`` has passed or ``stop`` is set.
+
+    Paced: step ``i`` is due at ``t0 + i·dt_s``; when the loop is a whole step or more late it
+    skips to the step now due (the model moves by the time that passed) instead of falling behind.
+    """
     on_updates = _hook(observer, "on_updates")
     on_query = _hook(observer, "on_query")
     on_positions = _hook(observer, "on_positions")
     rate_per_s = cfg.users * cfg.query_rate_per_min / 60.0
     n = len(users)
-    t0 = time.time()
+    t0 = clock()
     end = t0 + cfg.duration_s
-    step = 0
+    n_steps = math.ceil(cfg.duration_s / cfg.dt_s - 1e-9)  # steps due before ``end``
+    index = 0  # the schedule's step number (paced)
+    sent = skipped = 0
+    moved_to = 0  # schedule step the model's positions belong to
     while True:
-        step_t = t0 + step * cfg.dt_s if paced else time.time()
+        if paced and sent:
+            due = min(int((clock() - t0) / cfg.dt_s), n_steps)
+            if due > index:  # a whole step or more behind: skip to the step now due
+                skipped += due - index
+                index = due
+        step_t = t0 + index * cfg.dt_s if paced else clock()
         if step_t >= end or (stop is not None and stop.is_set()):
             break
-        if paced and await _sleep_until(step_t, stop):
+        if paced and await _sleep_until(step_t, stop, clock):
             break
-        if step:
-            model.step(cfg.dt_s)
+        if sent:
+            model.step(cfg.dt_s * (index - moved_to if paced else 1))
+        moved_to = index
         lat, lon = model.positions()
         if on_positions is not None:
             on_positions(lat, lon)
-        t_fix = time.time()
+        t_fix = clock()
         items = list(zip(users, [t_fix] * n, lat.tolist(), lon.tolist(), strict=True))
         await client.send_fixes(items)
         client.check_alive()
         if on_updates is not None:
             on_updates(n)
-        step += 1
+        sent += 1
+        index += 1
         # Queries of this step (from the second step on, so every querier has sent a fix).
-        if step > 1 and rate_per_s > 0:
+        if sent > 1 and rate_per_s > 0:
             count = int(rng.poisson(rate_per_s * cfg.dt_s))
             offsets = np.sort(rng.uniform(0.0, cfg.dt_s, count))
             who = rng.integers(0, n, count)
@@ -340,13 +426,13 @@ async def _drive(
                 intended = step_t + off
                 if intended >= end:
                     break
-                if await _sleep_until(intended, stop):
+                if await _sleep_until(intended, stop, clock):
                     break
                 query = random_query(rng, cfg.query_kind, client.next_query_id())
                 await client.send_query(users[u], query, intended=intended)
                 if on_query is not None:
                     on_query()
-    return step, time.time() - t0
+    return DriveOutcome(sent, skipped, clock() - t0)
 
 
 async def run_simulation(
@@ -368,19 +454,46 @@ async def run_simulation(
         raise SimulationInputError(str(exc)) from None
     users = simulated_users(cfg.users, tokens)
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(32)
-    model = await asyncio.to_thread(build_model, cfg.model, cfg.users, osm=cfg.osm, seed=seed)
+    # The users are placed (a thread) while their profiles are set.
+    placing = asyncio.create_task(
+        asyncio.to_thread(build_model, cfg.model, cfg.users, osm=cfg.osm, seed=seed, graph=cfg.graph, bbox=cfg.bbox)
+    )
+    try:
+        return await _run(cfg, users, tokens, placing, seed, observer, stop)
+    finally:
+        if not placing.done():
+            await asyncio.wait([placing])
+        if not placing.cancelled():
+            placing.exception()  # retrieved: an error was raised above or is superseded by one
+
+
+async def _run(
+    cfg: SimulationConfig,
+    users: list[str],
+    tokens: list[tuple[str, str]] | None,
+    placing: asyncio.Task[MobilityModel],
+    seed: int,
+    observer: SimulationObserver | None,
+    stop: asyncio.Event | None,
+) -> SimulationSummary:
     rng = np.random.default_rng(seed + 1)
     weights = np.array([s.weight for s in cfg.profile_mix], dtype=np.float64)
     pick = rng.choice(len(cfg.profile_mix), size=cfg.users, p=weights / weights.sum())
     requests = [s.to_request() for s in cfg.profile_mix]
     user_tokens = dict(tokens[: cfg.users]) if tokens is not None else None
     on_answer = _hook(observer, "on_answer")
+    profiles = [(u, requests[int(i)]) for u, i in zip(users, pick.tolist(), strict=True)]
+    timeout_s = 10.0 + cfg.users / 500.0
     async with open_client(cfg.broker, tokens=user_tokens, on_answer=on_answer) as client:
-        await client.set_profiles(
-            [(u, requests[int(i)]) for u, i in zip(users, pick.tolist(), strict=True)],
-            timeout_s=10.0 + cfg.users / 500.0,
-        )
-        steps, elapsed = await _drive(cfg, client, users, model, rng, observer, stop, paced=True)
+        if cfg.profile_broker is None:
+            await client.set_profiles(profiles, timeout_s=timeout_s)
+            pst = client.stats
+        else:
+            async with open_client(cfg.profile_broker, tokens=user_tokens) as door:
+                await door.set_profiles(profiles, timeout_s=timeout_s)
+                pst = door.stats
+        model = await placing
+        drove = await _drive(cfg, client, users, model, rng, observer, stop, paced=True)
         stopped = stop is not None and stop.is_set()
         unanswered = await client.drain(STOP_DRAIN_S if stopped else DRAIN_S)
         st = client.stats
@@ -394,16 +507,17 @@ async def run_simulation(
             answers_ok=st.answers_ok,
             answers_refused=st.answers_refused,
             refusals=refusals,
-            duration_s=elapsed,
+            duration_s=drove.elapsed_s,
             transport=client.transport,
             accepted=st.accepted,
             refused=dict(st.refused),
             unanswered=unanswered,
             errors=errors,
-            profiles_ok=st.profiles_ok,
-            profiles_refused=dict(st.profiles_refused),
-            steps=steps,
+            profiles_ok=pst.profiles_ok,
+            profiles_refused=dict(pst.profiles_refused),
+            steps=drove.steps,
             latency_ms=percentiles_ms(st.latencies_s),
+            skipped_steps=drove.skipped_steps,
         )
 
 
@@ -419,11 +533,11 @@ async def saturate(
     cfg = SimulationConfig(users=users, model=model, duration_s=duration_s, broker=broker, query_rate_per_min=0.0)
     mob = build_model(model, users, seed=seed)
     async with open_client(broker) as client:
-        _, elapsed = await _drive(
+        drove = await _drive(
             cfg, client, simulated_users(users, None), mob, np.random.default_rng(seed), None, None, paced=False
         )
         await client.drain(30.0)
-        return client.stats.sent, elapsed
+        return client.stats.sent, drove.elapsed_s
 
 
 __all__ = [
@@ -436,8 +550,10 @@ __all__ = [
     "SimulationObserver",
     "SimulationSummary",
     "build_model",
+    "crop_streets",
     "load_profile_mix",
     "parse_profile_mix",
     "run_simulation",
     "saturate",
+    "street_graph",
 ]

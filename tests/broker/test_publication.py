@@ -28,7 +28,7 @@ from broker.auth import TokenStore
 from broker.config import Config, ConfigError
 from broker.metrics import Metrics
 from broker.mqtt_intake import MqttIntakeError
-from broker.publication import TOPIC, Window, WindowPublisher, WindowState, window_start
+from broker.publication import PROCESS_MIN_ROWS, TOPIC, Window, WindowPublisher, WindowState, window_start
 from broker.service import Broker
 from broker.stores import MovementStore
 from streams.publish import METHODS
@@ -89,6 +89,8 @@ def unit_config(**values: Any) -> Config:
 async def publisher(
     tmp_path: Path, clock: Clock, send: Outbox | None, **values: Any
 ) -> AsyncIterator[tuple[WindowPublisher, MovementStore]]:
+    """A publisher on a real store; ``process_min_rows`` (optional) goes to the publisher, the rest to its config."""
+    process_min_rows = int(values.pop("process_min_rows", PROCESS_MIN_ROWS))
     store = MovementStore(tmp_path / "movement.sqlite3")
     pub = WindowPublisher(
         config=unit_config(**values),
@@ -97,6 +99,7 @@ async def publisher(
         metrics=Metrics(version="test", algorithm="hilbert"),
         send=send,
         clock=clock,
+        process_min_rows=process_min_rows,
     )
     try:
         yield pub, store
@@ -204,6 +207,30 @@ async def test_every_method_publishes_a_verifiable_window(tmp_path: Path, method
         report = pub.report("1000-1010")
     assert report is not None and report["status"] == "published" and report["method"] == method
     check_published_csv(tmp_path / "published" / "trajectories" / "1000-1010.csv", users, len(users))
+
+
+async def test_large_window_is_anonymized_in_a_worker_process(tmp_path: Path) -> None:
+    """A window of ``process_min_rows`` fixes or more goes to the worker process (lowered here), which
+    publishes the same verifiable window; closing the publisher stops the worker."""
+    import multiprocessing
+
+    clock = Clock(1000.0)
+    out = Outbox()
+    users = [f"user{i}" for i in range(6)]
+    before = set(multiprocessing.active_children())
+    async with publisher(tmp_path, clock, out, process_min_rows=30) as (pub, store):
+        await store.append(group_fixes(users, 1000.0, 10, 1.0))  # 60 fixes
+        clock.t = 1015.0
+        assert await pub.step() == ["1000-1010"]
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 1  # the worker process ran the window
+        report = pub.report("1000-1010")
+    assert report is not None and report["status"] == "published" and report["n_in"] == 6
+    check_published_csv(tmp_path / "published" / "trajectories" / "1000-1010.csv", users, len(users))
+    assert [m["n_trajectories"] for m in out.messages] == [6]
+    [worker] = workers
+    worker.join(timeout=10)
+    assert not worker.is_alive()
 
 
 async def test_too_few_users_publish_the_window_empty(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ CONTRACT_KEYS = [
     "latency_ms_p99",
     "published_windows",
 ]
+EXTENSION_KEYS = ["unanswered", "skipped_steps"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -94,11 +95,11 @@ def sample_observations(seed: int = 3, n_ok: int = 300) -> tuple[Observations, d
 def test_summary_has_the_contract_shape_and_recomputed_values() -> None:
     obs, truth = sample_observations()
     s = summarize(obs, users=500, duration_s=60.0, algorithm="hilbert", published_windows=2)
-    assert list(s) == CONTRACT_KEYS
+    assert list(s) == CONTRACT_KEYS + EXTENSION_KEYS
     assert s["users"] == 500 and s["algorithm"] == "hilbert" and s["published_windows"] == 2
     assert s["updates"] == 123_456
     assert s["updates_per_s"] == pytest.approx(123_456 / 60, abs=0.05)
-    assert s["queries"] == 326
+    assert s["queries"] == 326 and s["unanswered"] == 5
     assert s["ok"] == 300 and s["refused"] == 21
     assert s["refusals"] == {"area_exceeded": 17, "k_unreachable": 4}
     assert s["success_rate"] == pytest.approx(300 / 321, abs=5e-5)
@@ -111,7 +112,7 @@ def test_summary_has_the_contract_shape_and_recomputed_values() -> None:
 
 def test_empty_run_has_nulls_not_nans() -> None:
     s = summarize(Observations(), users=10, duration_s=0.0, algorithm="nn", published_windows=0)
-    assert list(s) == CONTRACT_KEYS
+    assert list(s) == CONTRACT_KEYS + EXTENSION_KEYS
     assert s["success_rate"] is None and s["cloak_area_m2_median"] is None and s["latency_ms_p99"] is None
     assert s["updates_per_s"] == 0.0 and s["refusals"] == {}
     json.dumps(s, allow_nan=False)
@@ -222,8 +223,9 @@ def test_summary_invariants(items: list[tuple[str, int, float, float]], lost: in
             obs.record_answer(refused(status), lat_s)
     obs.queries = len(items) + lost
     s = summarize(obs, users=5, duration_s=duration, algorithm="casper", published_windows=0)
-    assert list(s) == CONTRACT_KEYS
+    assert list(s) == CONTRACT_KEYS + EXTENSION_KEYS
     assert s["ok"] + s["refused"] == len(items) == s["queries"] - lost
+    assert s["unanswered"] == lost and s["skipped_steps"] == 0
     assert sum(s["refusals"].values()) == s["refused"]
     if items:
         assert 0.0 <= s["success_rate"] <= 1.0

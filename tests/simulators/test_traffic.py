@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from broker.bench import mosquitto
 from broker.mqtt import free_port
 from broker.service import Broker
 from simulators.client import batch_payloads, percentiles_ms
+from simulators.streets import StreetGraph, load_street_graph
 from simulators.traffic import (
     DEFAULT_MIX,
     NullObserver,
     ProfileShare,
     SimulationConfig,
     SimulationInputError,
+    build_model,
     load_profile_mix,
     parse_profile_mix,
     run_simulation,
+    street_graph,
 )
 from simulators.transport import BrokerUrl, TransportError
 from tests.broker.conftest import SpyUpstream, broker_config, spy  # noqa: F401
@@ -215,3 +222,81 @@ async def test_stop_ends_the_run_early(tmp_path: Path, spy: SpyUpstream) -> None
     assert s.duration_s < 5.0 and 0 < s.steps < 20
     assert fixes_counted(text, "mqtt") == s.sent == 20 * s.steps
     assert s.answers_ok + s.answers_refused + s.unanswered == s.queries
+
+
+# -- schedule and street input -----------------------------------------------------------------
+BOX = (116.38, 39.895, 116.40, 39.91)
+
+
+@functools.cache
+def _tiny_crop() -> StreetGraph:
+    """The bundled network cropped to :data:`BOX` (loaded once per session)."""
+    return street_graph(bbox=BOX)
+
+
+def test_street_graph_and_bbox_input() -> None:
+    graph, bbox = _tiny_crop(), BOX
+    full = load_street_graph()
+    assert 0 < graph.nodes < full.nodes
+    assert bool(np.all((graph.lon > bbox[0]) & (graph.lon < bbox[2]) & (graph.lat > bbox[1]) & (graph.lat < bbox[3])))
+    assert street_graph(graph=full, bbox=bbox).nodes == graph.nodes  # a given graph cropped the same way
+    for model in (
+        build_model("street", 50, graph=graph, seed=1),  # a ready graph
+        build_model("street", 50, graph=full, bbox=bbox, seed=1),  # a graph cropped to a box
+    ):
+        for _ in range(3):
+            model.step(5.0)
+        lat, lon = model.positions()
+        assert lat.size == 50
+        assert bool(np.all((lon >= bbox[0]) & (lon <= bbox[2]) & (lat >= bbox[1]) & (lat <= bbox[3])))
+    for bad in (
+        {"model": "waypoint", "graph": graph},
+        {"model": "street", "graph": graph, "osm": Path("x.osm")},
+        {"model": "street", "bbox": (116.4, 39.9, 116.3, 39.95)},
+        {"model": "street", "bbox": (116.3, 39.9, float("nan"), 39.95)},
+        {"model": "street", "profile_broker": "ftp://x"},
+    ):
+        with pytest.raises(SimulationInputError):
+            SimulationConfig(**bad)
+    with pytest.raises(SimulationInputError):  # no street inside the box
+        build_model("street", 5, bbox=(10.0, 10.0, 10.001, 10.001), seed=1)
+
+
+async def test_a_run_behind_schedule_skips_steps_instead_of_catching_up(
+    tmp_path: Path,
+    spy: SpyUpstream,  # noqa: F811
+) -> None:
+    """A stall of 0.7 s (3.5 steps of 0.2 s) is followed by the step now due, not by a burst of late
+    steps: every scheduled step is sent or counted as skipped, and the run ends on time. The users
+    drive on a ready street graph, and set their profiles through the HTTP door."""
+    graph, bbox = _tiny_crop(), BOX
+
+    class Stalls(NullObserver):
+        def __init__(self) -> None:
+            self.calls: list[float] = []
+            self.inside = True
+
+        def on_positions(self, lat: Any, lon: Any) -> None:
+            self.calls.append(time.monotonic())
+            self.inside &= bool(np.all((lon >= bbox[0]) & (lon <= bbox[2]) & (lat >= bbox[1]) & (lat <= bbox[3])))
+            if len(self.calls) == 3:
+                time.sleep(0.7)  # the machine is busy elsewhere
+
+    seen = Stalls()
+    async with real_broker(tmp_path, spy.url, "embedded") as (b, url):
+        cfg = SimulationConfig(
+            users=20, model="street", graph=graph, dt_s=0.2, duration_s=2.0, query_rate_per_min=0.0,
+            broker=url, profile_broker=f"http://127.0.0.1:{b.http_port}", seed=2,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        s = await run_simulation(cfg, observer=seen)
+        elapsed = time.monotonic() - t0
+        text = await settled(b, "mqtt", s.sent)
+    assert s.skipped_steps >= 2 and s.steps + s.skipped_steps == 10
+    assert s.steps == len(seen.calls) and s.sent == 20 * s.steps == fixes_counted(text, "mqtt")
+    gaps = [b - a for a, b in itertools.pairwise(seen.calls)]
+    assert min(gaps) > 0.04  # no burst of catch-up steps after the stall
+    assert s.duration_s < 2.3 and elapsed < 15
+    assert s.profiles_ok == 20 and count(text, "kcloak_profile_sets_total", 'transport="http"') == 20
+    assert seen.inside
+    assert s.to_json()["skipped_steps"] == s.skipped_steps
