@@ -20,6 +20,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "broker.mosquitto",
     "cloaking.bench_cli",
     "broker.lbs_cli",
+    "broker.lbs_bench",
     "broker.bench_cli",
     "streams.anonymize_cli",
     "streams.bench_cli",
