@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
+import zlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,6 +356,10 @@ class HttpKcloakClient(KcloakClient):
         self._fixes = HttpClient(host=url.host, port=url.port, connections=fix_connections)
         self._queries = HttpClient(host=url.host, port=url.port, connections=query_connections)
         self._fix_slots = asyncio.Semaphore(fix_connections * 4)
+        # A user's fixes must reach the broker in order (contract §1: an older fix is out_of_order),
+        # so each user is pinned to one of ``fix_connections`` lanes whose requests go one after the
+        # other; the lanes run concurrently.
+        self._lane_tail: list[asyncio.Task[None] | None] = [None] * fix_connections
 
     async def __aenter__(self) -> HttpKcloakClient:
         resp = await self._fixes.request("GET", "/healthz")
@@ -423,21 +429,45 @@ class HttpKcloakClient(KcloakClient):
         finally:
             self._fix_slots.release()
 
+    def _lane(self, user: str) -> int:
+        return zlib.crc32(user.encode()) % len(self._lane_tail)
+
+    def _spawn_in_lane(self, lane: int, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``start()`` once the lane's previous request has finished (requests of a lane keep order)."""
+        previous = self._lane_tail[lane]
+
+        async def after_previous() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.wait({previous})
+            await start()
+
+        task: asyncio.Task[None] = asyncio.create_task(after_previous())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._lane_tail[lane] = task
+
     async def send_fixes(
         self, items: Sequence[tuple[str, float, float, float]], *, batch: bool = True, intended: float | None = None
     ) -> None:
         if self.tokens is None and batch:
-            for n, body in batch_payloads(items):
-                await self._fix_slots.acquire()
-                self.stats.sent += n
-                self._spawn(self._post_fixes("/v1/locations", body, n, None, intended))
+            by_lane: dict[int, list[tuple[str, float, float, float]]] = {}
+            for item in items:
+                by_lane.setdefault(self._lane(item[0]), []).append(item)
+            for lane, lane_items in by_lane.items():
+                for n, body in batch_payloads(lane_items):
+                    await self._fix_slots.acquire()
+                    self.stats.sent += n
+                    self._spawn_in_lane(
+                        lane, functools.partial(self._post_fixes, "/v1/locations", body, n, None, intended)
+                    )
             return
         for user, t, lat, lon in items:
             token = self._token(user)
             await self._fix_slots.acquire()
             self.stats.sent += 1
             body = _fix_json(t, lat, lon).encode()
-            self._spawn(self._post_fixes(f"/v1/users/{user}/location", body, 1, token, intended))
+            post = functools.partial(self._post_fixes, f"/v1/users/{user}/location", body, 1, token, intended)
+            self._spawn_in_lane(self._lane(user), post)
 
     async def _query(self, user: str, qid: str, body: bytes, token: str | None) -> None:
         try:

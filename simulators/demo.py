@@ -20,7 +20,7 @@ published trajectory windows are counted (``GET /v1/published/windows``) and the
 :mod:`simulators.report` is written while the child processes shut down.
 
 Demo settings (shown in ``kcloak demo --help``, defined in :mod:`simulators.demo_cli`): each user
-sends :data:`DEMO_QUERIES_PER_MIN` range queries a minute, so that a one-minute run answers
+sends :data:`DEMO_QUERIES_PER_MIN` queries a minute (range and knn), so that a one-minute run answers
 thousands of queries; trajectory windows are :data:`DEMO_PUBLISH_WINDOW_S` long and closed
 :data:`DEMO_MAX_UPDATE_AGE_S` after their end (contract §7: a window is processed once
 now ≥ ``t_end`` + ``max_update_age_s``), so a one-minute run can publish windows, which the

@@ -24,9 +24,8 @@ MAX_USERS = 100_000
 # The demo's settings (shown in --help, used by simulators.demo).
 DEMO_QUERIES_PER_MIN = 3.0
 """Queries per simulated user per minute (``kcloak simulate`` defaults to 1)."""
-DEMO_QUERY_KIND = "range"
-"""Range queries (radius 200–2000 m): the reference LBS answers them several times faster than
-knn, whose inclusive candidate set over a region costs tens of milliseconds (contract §5)."""
+DEMO_QUERY_KIND = "mix"
+"""Half range queries (radius 200–2000 m), half k-nearest (n 1–10), as ``kcloak simulate``."""
 DEMO_PUBLISH_WINDOW_S = 20
 """Live trajectory-publication windows (shipped: 900 s), so that a one-minute run publishes some."""
 DEMO_MAX_UPDATE_AGE_S = 15.0
@@ -91,9 +90,10 @@ def add_parser(subparsers: Any) -> None:
         epilog=(
             "Demo settings: users drive on the streets of a square around central Beijing sized for "
             f"{DEMO_USERS_PER_KM2:g} users per km2 (at most {DEMO_MAX_AREA_SIDE_KM:g} km wide, about the 3rd Ring "
-            f"Road; 3000 users fill it); each sends a fix every second and {DEMO_QUERIES_PER_MIN:g} {DEMO_QUERY_KIND} "
-            "queries a minute (Poisson, radius 200-2000 m; kcloak simulate defaults to 1 query a minute, "
-            "mixed range and knn), so that one minute yields thousands of answers for the distributions. "
+            f"Road; 3000 users fill it); each sends a fix every second and {DEMO_QUERIES_PER_MIN:g} queries a "
+            "minute (Poisson, half range queries of radius 200-2000 m, half k-nearest of n 1-10; kcloak "
+            "simulate defaults to 1 query a minute), so that one minute yields thousands of answers for the "
+            "distributions. "
             f"Trajectory publication uses {DEMO_PUBLISH_WINDOW_S} s windows closed {DEMO_MAX_UPDATE_AGE_S:g} s "
             "after their end (shipped: 900 s and 120 s) so that a one-minute run publishes some. "
             "In summary.json: queries counts queries sent, ok and refused count answers, unanswered the "

@@ -99,3 +99,21 @@ async def test_replay_contract_csv_with_bad_rows_and_interpolation(tmp_path: Pat
     # a: 1000..1010 every 2 s = 6 fixes; b: 1002..1020 every 2 s = 10 fixes; 3 bad rows skipped.
     assert s.bad_rows == 3 and s.users == 2 and s.sent == 16
     assert s.accepted == 16 and fixes_counted(text, "http") == 16
+
+
+@pytest.mark.parametrize("with_tokens", [False, True])
+async def test_replay_over_http_keeps_each_users_order(tmp_path: Path, spy: SpyUpstream, with_tokens: bool) -> None:  # noqa: F811
+    """Fast replay over HTTP sends many requests at once; a user's fixes still arrive in order."""
+    csv = tmp_path / "fast.csv"
+    rows = [
+        f"{u},{1000 + i},{39.9 + i * 1e-4:.6f},{116.4 + j * 1e-3:.6f}" for i in range(150) for j, u in enumerate("xyz")
+    ]
+    csv.write_text("traj_id,t,lat,lon\n" + "\n".join(rows) + "\n")
+    with tokens_file(tmp_path, ["u1", "u2", "u3"]) as tokens:
+        extra = {"auth.tokens": str(tokens)} if with_tokens else {}
+        async with real_broker(tmp_path, spy.url, "http", **extra) as (b, url):
+            cfg = ReplayConfig(input=csv, speed=1000.0, broker=url, tokens=tokens if with_tokens else None)
+            s = await run_replay(cfg)
+            text = await settled(b, "http", s.sent)
+    assert s.sent == 450 and s.accepted == 450 and not s.refused
+    assert count(text, "kcloak_updates_rejected_total", 'reason="out_of_order"') == 0
