@@ -22,6 +22,14 @@ the mean over all released items. With bags, full generalization may still leave
 sub-bag (e.g. fewer than ``k`` records hold ``m`` items): such records are **suppressed**
 (removed and counted) within ``floor(max_suppression · n)``; beyond it the release is
 :class:`KmUnsatisfiable`.
+
+Bookkeeping (same releases as rebuilding everything after each rule, to the last bit of NCP;
+``tests/cloaking/tabular/test_km.py`` holds digests of the straightforward implementation's
+releases): a rule rewrites only its span of the cut (block of each value, block ends, ACD's
+per-value NCP); counts change only on suppression; level 1 of the count tree is one numpy
+pass over the postings; supports of narrow ranges are read from their postings; ACD prices a
+rare leaf's nearest siblings first and widens only when its cheapest merges are not yet
+provably cheaper than every farther one.
 """
 
 from __future__ import annotations
@@ -206,99 +214,205 @@ class KmRelease:
     """Released item occurrences that are not exact."""
 
 
+_SMALL_POSTINGS = 512
+"""Support queries reading at most this many postings use Python sets; larger ones numpy (same counts)."""
+
+
 class _Data:
-    """Records as sorted value indices, postings per distinct value, and the current cut."""
+    """Records as sorted value indices, postings per distinct value, and the current cut.
+
+    The cut (contiguous blocks of the sorted distinct values) changes only by :meth:`merge`,
+    which rewrites the merged span's entries and nothing else; the counts of alive occurrences
+    change only when records are suppressed (:meth:`suppress`). Both bump :attr:`version`, so
+    that derived arrays (prefix sums of a cut's NCP, the list of block starts) are rebuilt only
+    when something changed.
+    """
 
     def __init__(self, records: Sequence[Sequence[int]]) -> None:
+        n = len(records)
+        lens = np.fromiter((len(r) for r in records), np.int64, n)
         flat = np.fromiter((v for r in records for v in r), np.int64)
         self.vals: I64 = np.unique(flat)
-        self.n_records = len(records)
-        self.recs: list[I64] = [np.sort(np.searchsorted(self.vals, np.asarray(r, np.int64))) for r in records]
-        rec_of = np.repeat(np.arange(self.n_records), [len(r) for r in records])
-        vi = np.searchsorted(self.vals, flat)
-        pair = vi.astype(np.int64) * max(self.n_records, 1) + rec_of
+        self.n_records = n
+        vi = np.searchsorted(self.vals, flat).astype(np.int64)
+        rec_of = np.repeat(np.arange(n, dtype=np.int64), lens)
+        self.rec_ptr: list[int] = [0, *np.cumsum(lens).tolist()]
+        self.rec_vals: I64 = vi[np.lexsort((vi, rec_of))]  # each record's value indices, ascending, record by record
+        flat_vals = self.rec_vals.tolist()
+        self.recs: list[list[int]] = [flat_vals[self.rec_ptr[r] : self.rec_ptr[r + 1]] for r in range(n)]
+        self.multi: list[int] = np.flatnonzero(lens >= 2).tolist()  # records that hold 2-sub-bags or larger
+        pair = vi * max(n, 1) + rec_of
         uniq, mult = np.unique(pair, return_counts=True)
-        self.post_val = uniq // max(self.n_records, 1)
-        self.post_rec = uniq % max(self.n_records, 1)
-        self.post_mul = mult.astype(np.int64)
-        self.post_ptr = np.searchsorted(self.post_val, np.arange(len(self.vals) + 1))
-        self.alive = np.ones(self.n_records, bool)
+        self.post_val: I64 = uniq // max(n, 1)
+        self.post_rec: I64 = uniq % max(n, 1)
+        self.post_mul: I64 = mult.astype(np.int64)
+        self.post_ptr: I64 = np.searchsorted(self.post_val, np.arange(len(self.vals) + 1))
+        self._post_rec = self.post_rec.tolist()
+        self._post_mul = self.post_mul.tolist()
+        self._post_ptr = self.post_ptr.tolist()
+        self.alive = np.ones(n, bool)
+        self._alive = [True] * n
         self.total_items = len(flat)
         self.extent = float(self.vals[-1] - self.vals[0]) if len(self.vals) else 0.0
-        self.starts = np.ones(len(self.vals), bool)  # block boundaries of the cut
-        self.level = np.zeros(len(self.vals), np.int64)  # AA: hierarchy level of each value's block
-        self.refresh()
+        n_vals = len(self.vals)
+        self.starts = np.ones(n_vals, bool)  # block boundaries of the cut
+        self.block_of: I64 = np.arange(n_vals, dtype=np.int64)  # each value's block (its first value index)
+        self.block_end: I64 = np.arange(n_vals, dtype=np.int64)  # each value's block's last value index
+        self.level = np.zeros(n_vals, np.int64)  # AA: hierarchy level of each value's block
+        self.version = 0
+        self._blocks_at = -1
+        self._block_starts: I64 = np.arange(n_vals, dtype=np.int64)
+        self._block_ends: I64 = np.arange(n_vals, dtype=np.int64)
+        self._count()
 
-    def refresh(self) -> None:
-        """Recompute counts of alive occurrences and block bookkeeping after a change."""
+    def _count(self) -> None:
         alive_post = self.alive[self.post_rec]
         self.cnt = np.bincount(self.post_val[alive_post], weights=self.post_mul[alive_post], minlength=len(self.vals))
         self.cum_cnt = np.concatenate([[0.0], np.cumsum(self.cnt)])
-        self.block_starts = np.flatnonzero(self.starts)
-        self.block_ends = np.append(self.block_starts[1:] - 1, len(self.vals) - 1)
-        self.block_of = np.maximum.accumulate(np.where(self.starts, np.arange(len(self.vals)), 0))
+
+    def _sync_blocks(self) -> None:
+        if self._blocks_at != self.version:
+            self._block_starts = np.flatnonzero(self.starts)
+            self._block_ends = np.append(self._block_starts[1:] - 1, len(self.vals) - 1)
+            self._blocks_at = self.version
+
+    @property
+    def block_starts(self) -> I64:
+        self._sync_blocks()
+        return self._block_starts
+
+    @property
+    def block_ends(self) -> I64:
+        self._sync_blocks()
+        return self._block_ends
+
+    def merge(self, lo: int, hi: int) -> bool:
+        """Global recoding: the values ``lo..hi`` become one block; whether the span was a union of blocks.
+
+        A span made of whole blocks (every caller's case) rewrites only its own entries; any
+        other span splits a block and the cut is rebuilt from the boundaries.
+        """
+        n_vals = len(self.vals)
+        aligned = bool(self.starts[lo]) and (hi + 1 >= n_vals or bool(self.starts[hi + 1]))
+        self.starts[lo + 1 : hi + 1] = False
+        self.starts[lo] = True
+        if hi + 1 < n_vals:
+            self.starts[hi + 1] = True
+        self.version += 1
+        if aligned:
+            self.block_of[lo : hi + 1] = lo
+            self.block_end[lo : hi + 1] = hi
+        else:
+            self.block_of = np.maximum.accumulate(np.where(self.starts, np.arange(n_vals), 0))
+            self.block_end = self.block_ends[np.searchsorted(self.block_starts, self.block_of)]
+        return aligned
+
+    def suppress(self, rows: npt.NDArray[np.intp]) -> None:
+        self.alive[rows] = False
+        for r in rows.tolist():
+            self._alive[r] = False
+        self.version += 1
+        self._count()
+
+    def n_suppressed(self) -> int:
+        return int(np.count_nonzero(~self.alive))
 
     def end_of(self, b: int) -> int:
-        return int(self.block_ends[np.searchsorted(self.block_starts, b)])
+        """Last value index of the block starting at ``b``."""
+        return int(self.block_end[b])
 
     def count_in(self, lo: int, hi: int) -> float:
         return float(self.cum_cnt[hi + 1] - self.cum_cnt[lo])
 
-    def support(self, tokens: Sequence[tuple[int, int]]) -> int:
-        """Alive records holding the bag of value-index ranges ``tokens`` (with repeats)."""
-        need = Counter(tokens)
-        ok = self.alive.copy()
-        for (lo, hi), c in need.items():
-            a, b = self.post_ptr[lo], self.post_ptr[hi + 1]
-            per_rec = np.bincount(self.post_rec[a:b], weights=self.post_mul[a:b], minlength=self.n_records)
-            ok &= per_rec >= c
-        return int(np.count_nonzero(ok))
+    def matching(self, tokens: Sequence[tuple[int, int]]) -> set[int] | npt.NDArray[np.bool_]:
+        """Alive records holding the bag of value-index ranges ``tokens`` (with repeats).
 
-    def holders(self, tokens: Sequence[tuple[int, int]]) -> npt.NDArray[np.intp]:
-        need = Counter(tokens)
-        ok = self.alive.copy()
+        Narrow ranges (few postings, the usual case) are answered with Python sets over the
+        postings; wide ones with one ``bincount`` per range over all records.
+        """
+        need = {tokens[0]: 1} if len(tokens) == 1 else Counter(tokens)
+        ptr = self._post_ptr
+        if sum(ptr[hi + 1] - ptr[lo] for lo, hi in need) > _SMALL_POSTINGS:
+            ok = self.alive.copy()
+            for (lo, hi), c in need.items():
+                a, b = ptr[lo], ptr[hi + 1]
+                per_rec = np.bincount(self.post_rec[a:b], weights=self.post_mul[a:b], minlength=self.n_records)
+                ok &= per_rec >= c
+            return ok
+        alive, post_rec, post_mul = self._alive, self._post_rec, self._post_mul
+        found: set[int] | None = None
         for (lo, hi), c in need.items():
-            a, b = self.post_ptr[lo], self.post_ptr[hi + 1]
-            per_rec = np.bincount(self.post_rec[a:b], weights=self.post_mul[a:b], minlength=self.n_records)
-            ok &= per_rec >= c
-        return np.flatnonzero(ok)
+            a, b = ptr[lo], ptr[hi + 1]
+            if c == 1:
+                rows = {r for r in post_rec[a:b] if alive[r]}
+            else:
+                held: dict[int, int] = {}
+                for r, mul in zip(post_rec[a:b], post_mul[a:b], strict=True):
+                    if alive[r]:
+                        held[r] = held.get(r, 0) + mul
+                rows = {r for r, x in held.items() if x >= c}
+            found = rows if found is None else found & rows
+            if not found:
+                break
+        return found if found is not None else {r for r in range(self.n_records) if alive[r]}
+
+    def support(self, tokens: Sequence[tuple[int, int]]) -> int:
+        return _n_matching(self.matching(tokens))
+
+    def block_support(self) -> I64:
+        """Alive records holding each block (indexed by the block's first value index)."""
+        n = max(self.n_records, 1)
+        alive_post = self.alive[self.post_rec]
+        pairs = np.unique(self.block_of[self.post_val[alive_post]] * n + self.post_rec[alive_post])
+        out: I64 = np.bincount(pairs // n, minlength=len(self.vals))
+        return out
 
     def count_subbags(self, i: int) -> Counter[Itemset]:
         """Supports of every ``i``-sub-bag of the generalized alive records (the count tree's level ``i``).
 
         Items of a record are ordered by their block's support (descending), then by value, so
-        that sub-bags sharing frequent prefixes share tree paths (S002 §3.2).
+        that sub-bags sharing frequent prefixes share tree paths (S002 §3.2). Level 1 is the
+        block supports themselves.
         """
-        order = self._order_keys()
+        ones = self.block_support()
+        if i == 1:
+            nz = np.flatnonzero(ones)
+            return Counter(dict(zip([(b,) for b in nz.tolist()], ones[nz].tolist(), strict=True)))
         counts: Counter[Itemset] = Counter()
-        for r, rec in enumerate(self.recs):
-            if not self.alive[r] or len(rec) < i:
+        key = (-ones).tolist()
+        block_of = self.block_of.tolist()
+        for r in self.multi:
+            rec = self.recs[r]
+            if not self._alive[r] or len(rec) < i:
                 continue
-            blocks = self.block_of[rec]
-            toks = sorted(blocks.tolist(), key=order.__getitem__)
+            toks = sorted((block_of[v] for v in rec), key=lambda b: (key[b], b))
             counts.update(set(itertools.combinations(toks, i)))
         return counts
-
-    def _order_keys(self) -> dict[int, tuple[int, int]]:
-        ones: Counter[int] = Counter()
-        for r, rec in enumerate(self.recs):
-            if self.alive[r]:
-                ones.update(set(self.block_of[rec].tolist()))
-        return {b: (-ones.get(b, 0), b) for b in self.block_starts.tolist()}
 
     def current(self, b: int) -> int:
         """The current block holding value index ``b`` (blocks only merge)."""
         return int(self.block_of[b])
 
+    def row_values(self, r: int) -> I64:
+        return self.rec_vals[self.rec_ptr[r] : self.rec_ptr[r + 1]]
 
-def _apply_merges(data: _Data, spans: Sequence[tuple[int, int]]) -> None:
-    """Global recoding: every value in each span ``[lo, hi]`` (aligned with blocks) becomes one block."""
+
+def _n_matching(found: set[int] | npt.NDArray[np.bool_]) -> int:
+    return len(found) if isinstance(found, set) else int(np.count_nonzero(found))
+
+
+def _rows_matching(found: set[int] | npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]:
+    if isinstance(found, set):
+        return np.array(sorted(found), dtype=np.intp)
+    return np.flatnonzero(found)
+
+
+def _apply_merges(data: _Data, spans: Sequence[tuple[int, int]]) -> bool:
+    """Global recoding of each span ``[lo, hi]``; whether every span was a union of blocks."""
+    aligned = True
     for lo, hi in spans:
-        data.starts[lo + 1 : hi + 1] = False
-        data.starts[lo] = True
-        if hi + 1 < len(data.starts):
-            data.starts[hi + 1] = True
-    data.refresh()
+        aligned = data.merge(lo, hi) and aligned
+    return aligned
 
 
 def _union(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -324,17 +438,32 @@ class _Cut:
         return float(self.cum[hi + 1] - self.cum[lo])
 
     def suppression(self, rows: npt.NDArray[np.intp]) -> float:
-        """NCP added by suppressing ``rows``: each of their items goes to 1."""
-        return float(sum(float(np.sum(1.0 - self.ncp_v[self.data.recs[r]])) for r in rows.tolist()))
+        """NCP added by suppressing ``rows``: each of their items goes to 1.
+
+        A row's loss is summed left to right when it has fewer than 8 items, which is exactly
+        what ``np.sum`` does on such short arrays (its pairwise summation starts at 8), and with
+        ``np.sum`` otherwise: the figure does not depend on which path computed it.
+        """
+        ncp_v = self.ncp_v
+        per_row: list[float] = []
+        for r in rows.tolist():
+            vals = self.data.recs[r]
+            if len(vals) < 8:
+                s = 0.0
+                for v in vals:
+                    s += 1.0 - float(ncp_v[v])
+                per_row.append(s)
+            else:
+                per_row.append(float(np.sum(1.0 - ncp_v[self.data.row_values(r)])))
+        return float(sum(per_row))
 
 
 def _suppress_rows(data: _Data, rows: npt.NDArray[np.intp]) -> None:
-    data.alive[rows] = False
-    data.refresh()
+    data.suppress(rows)
 
 
 def _can_suppress(data: _Data, rows: npt.NDArray[np.intp], budget: int) -> bool:
-    return int(np.count_nonzero(~data.alive)) + len(rows) <= budget
+    return data.n_suppressed() + len(rows) <= budget
 
 
 def _unsatisfiable(budget: int) -> KmUnsatisfiable:
@@ -344,11 +473,16 @@ def _unsatisfiable(budget: int) -> KmUnsatisfiable:
     )
 
 
-def _run(data: _Data, k: int, m: int, fix: Callable[[Itemset, Itemset, Counter[Itemset]], bool]) -> None:
+Fix = Callable[[Itemset, Itemset, Counter[Itemset], npt.NDArray[np.intp]], bool]
+"""``fix(f, image, counts, holders)``: repair one rare sub-bag; whether records were suppressed."""
+
+
+def _run(data: _Data, k: int, m: int, fix: Fix) -> None:
     """The apriori loop shared by ACD and AA (S002 Alg. 2): sizes ``1..m``, recount until no rare sub-bag.
 
-    ``fix(f, image, counts)`` repairs one rare sub-bag and returns whether records were
-    suppressed (supports then drop, so the loop restarts at size 1).
+    ``fix(f, image, counts, holders)`` repairs one rare sub-bag (``holders`` are the alive
+    records holding its current image) and returns whether records were suppressed (supports
+    then drop, so the loop restarts at size 1).
     """
     i = 1
     while i <= m:
@@ -359,9 +493,10 @@ def _run(data: _Data, k: int, m: int, fix: Callable[[Itemset, Itemset, Counter[I
             continue
         for f in rare:
             img = tuple(data.current(b) for b in f)
-            if data.support([(b, data.end_of(b)) for b in img]) >= k:
+            found = data.matching([(b, data.end_of(b)) for b in img])
+            if _n_matching(found) >= k:
                 continue  # fixed by an earlier rule of this pass
-            if fix(f, img, counts):
+            if fix(f, img, counts, _rows_matching(found)):
                 i = 0
                 break
         i = max(i, 1)
@@ -376,12 +511,37 @@ def _acd_ncp(data: _Data) -> F64:
     return out
 
 
+class _AcdCut:
+    """ACD's per-value NCP, updated span by span as rules are applied, and its :class:`_Cut` per data version."""
+
+    def __init__(self, data: _Data) -> None:
+        self.data = data
+        self.ncp_v = _acd_ncp(data)
+        self._cut: _Cut | None = None
+        self._at = -1
+
+    def cut(self) -> _Cut:
+        if self._cut is None or self._at != self.data.version:
+            self._cut, self._at = _Cut(self.data, self.ncp_v), self.data.version
+        return self._cut
+
+    def merge(self, spans: Sequence[tuple[int, int]]) -> None:
+        data = self.data
+        if not _apply_merges(data, spans):
+            self.ncp_v = _acd_ncp(data)
+            return
+        extent = max(data.extent, 1.0)
+        for lo, hi in spans:
+            self.ncp_v[lo : hi + 1] = min(1.0, float(data.vals[hi] - data.vals[lo]) / extent)
+
+
 def _acd(data: _Data, k: int, m: int, d: float, budget: int) -> None:
     tree: list[Counter[Itemset]] = []
     by_prefix: dict[Itemset, list[Itemset]] = {}
     last_cache: dict[Itemset, I64] = {}
+    state = _AcdCut(data)
 
-    def fix(f: Itemset, img: Itemset, counts: Counter[Itemset]) -> bool:
+    def fix(f: Itemset, img: Itemset, counts: Counter[Itemset], holders: npt.NDArray[np.intp]) -> bool:
         if not tree or tree[0] is not counts:  # a new count tree: index its leaves by prefix
             tree[:] = [counts]
             by_prefix.clear()
@@ -389,15 +549,17 @@ def _acd(data: _Data, k: int, m: int, d: float, budget: int) -> None:
             for leaf in counts:
                 for ell in range(1, len(leaf) + 1):
                     by_prefix.setdefault(leaf[: ell - 1], []).append(leaf)
-        return _acd_fix(data, f, img, by_prefix, last_cache, k, d, budget)
+        return _acd_fix(data, state, f, img, holders, by_prefix, last_cache, k, d, budget)
 
     _run(data, k, m, fix)
 
 
 def _acd_fix(
     data: _Data,
+    state: _AcdCut,
     f: Itemset,
     img: Itemset,
+    holders: npt.NDArray[np.intp],
     by_prefix: dict[Itemset, list[Itemset]],
     last_cache: dict[Itemset, I64],
     k: int,
@@ -409,23 +571,22 @@ def _acd_fix(
     Suppressing the records that hold ``img`` competes at the cost of setting their items to
     NCP 1, within the budget. Returns whether records were suppressed.
     """
-    cut = _Cut(data, _acd_ncp(data))
+    cut = state.cut()
     total = max(data.total_items, 1)
     extent = max(data.extent, 1.0)
-    holders = data.holders([(b, data.end_of(b)) for b in img])
     sup_cost = cut.suppression(holders) / total if _can_suppress(data, holders, budget) else math.inf
     i = len(f)
     fallback: tuple[float, list[tuple[int, int]]] | None = None
     for ell in range(i, 0, -1):
         cheapest: tuple[float, list[tuple[int, int]]] | None = None
-        for ncp, spans in _acd_candidates(data, f, img, by_prefix, ell, cut, extent, last_cache):
+        for ncp, spans, bound in _acd_candidates(data, f, img, by_prefix, ell, cut, extent, last_cache, k):
             cheapest = cheapest or (ncp, spans)
-            if _support_after(data, img, spans) >= k:
+            if bound >= k and _support_after(data, img, spans) >= k:  # records with the bag ≤ occurrences
                 if ncp < d or ell == 1:
                     if sup_cost < ncp:
                         _suppress_rows(data, holders)
                         return True
-                    _apply_merges(data, spans)
+                    state.merge(spans)
                     return False
                 break
         if cheapest is not None and (fallback is None or cheapest[0] < fallback[0]):
@@ -437,8 +598,114 @@ def _acd_fix(
         fallback = _neighbour_merge(data, img, cut, extent)
     if fallback is None:
         raise _unsatisfiable(budget)
-    _apply_merges(data, fallback[1])  # no merge suffices yet: take the cheapest step and recount
+    state.merge(fallback[1])  # no merge suffices yet: take the cheapest step and recount
     return False
+
+
+def _distinct_sorted(a: I64) -> I64:
+    """``np.unique`` of an already sorted array."""
+    if a.size == 0:
+        return a
+    keep = np.empty(a.size, bool)
+    keep[0] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    out: I64 = a[keep]
+    return out
+
+
+def _cheapest_first(cost: F64, lo: I64, head: int = 16) -> Iterator[npt.NDArray[np.intp]]:
+    """``np.lexsort((lo, cost))`` in two instalments: the ``head`` cheapest (ties included), then the rest.
+
+    A rare leaf usually takes one of its first few candidates, so the full sort is rarely needed;
+    the concatenated instalments are exactly the full sort's order (ties by ``lo``, then position).
+    """
+    if cost.size > head:
+        bound = cost[np.argpartition(cost, head - 1)[head - 1]]
+        first = np.flatnonzero(cost <= bound)
+        yield first[np.lexsort((lo[first], cost[first]))]
+        rest = np.flatnonzero(~(cost <= bound))  # NaN-safe complement
+        yield rest[np.lexsort((lo[rest], cost[rest]))]
+        return
+    yield np.lexsort((lo, cost))
+
+
+Candidate = tuple[float, list[tuple[int, int]], float]
+"""A merge: its dataset NCP, its spans, an upper bound of the merged sub-bag's support (``inf``: none)."""
+
+_WINDOW = 4
+"""Sibling leaves priced on each side of a rare block beyond the first merge that could reach k."""
+
+
+def _sibling_merges(
+    data: _Data, b: int, last: I64, cut: _Cut, extent: float, total: int, k: int
+) -> Iterator[Candidate]:
+    """Block ``b`` merged with each other current block of the leaves ``last``, cheapest first.
+
+    The order is that of pricing every sibling at once and sorting by (NCP, ``lo``, position),
+    but siblings are priced nearest first, in windows growing eightfold (the first reaching
+    just past the nearest merge on each side that holds ``k`` item occurrences): merging with a block
+    further away covers a superset of the values, so its exact cost is no smaller (S002 §3.3:
+    every value of a wider range costs at least as much). A candidate of a window is final
+    once its computed cost is below the outermost candidates' by more than the floating-point
+    error of the prefix sums (bounded in units of the roundoff); the last window is everything.
+    After the first candidate, those holding fewer than ``k`` item occurrences (so fewer than
+    ``k`` records) are left out: they cannot be taken.
+    """
+    b_end = data.end_of(b)
+    n_left = int(np.searchsorted(last, b, "left"))  # leaves before b's block
+    n_right = len(last) - int(np.searchsorted(last, b_end, "right"))  # leaves after it
+    # First windows: past the nearest sibling on each side whose merge holds k occurrences.
+    cum_cnt = data.cum_cnt
+    wl = wr = _WINDOW
+    lo_k = int(np.searchsorted(cum_cnt, float(cum_cnt[b_end + 1]) - k, "right")) - 1
+    if 0 <= lo_k < b:
+        wl += n_left - int(np.searchsorted(last, int(data.block_of[lo_k]), "left"))
+    hi_k = int(np.searchsorted(cum_cnt, float(cum_cnt[b]) + k, "left")) - 1
+    if b_end < hi_k < len(data.vals):
+        wr += int(np.searchsorted(last, hi_k, "right")) - (len(last) - n_right)
+    n_done = 0  # length of the final prefix of the order already handed out (or left out)
+    while True:
+        near = np.concatenate([last[max(0, n_left - wl) : n_left], last[len(last) - n_right :][:wr]])
+        sib = _distinct_sorted(data.block_of[near])  # blocks only merge, so block_of keeps the order
+        if sib.size == 0:
+            return
+        cost, lo, hi, occurrences, x = _price_merges(data, b, b_end, sib, cut, extent, total)
+        outer = ([float(x[0])] if n_left > wl else []) + ([float(x[-1])] if n_right > wr else [])
+        if outer:
+            u = 2.0**-53
+            scale = float(data.cum_cnt[-1])  # every prefix sum and price is at most the alive occurrences
+            margin = 12 * (len(data.vals) + 4) * u * scale + 8 * u * (scale + max(abs(v) for v in outer))
+            final = np.flatnonzero(cost < (min(outer) - margin) / total)
+        else:
+            final = np.arange(cost.size)
+        pos = 0
+        for part in _cheapest_first(cost[final], lo[final]):
+            sel = final[part]
+            at = np.arange(pos, pos + sel.size)
+            pos += sel.size
+            sel = sel[(at >= n_done) & ((occurrences[sel] >= k) | (at == 0))]
+            cols = (cost[sel].tolist(), lo[sel].tolist(), hi[sel].tolist(), occurrences[sel].tolist())
+            for c, a, z, occ in zip(*cols, strict=True):
+                yield c, [(a, z)], occ
+        if not outer:
+            return
+        n_done = max(n_done, final.size)
+        wl, wr = 8 * wl, 8 * wr
+
+
+def _price_merges(
+    data: _Data, b: int, b_end: int, sib: I64, cut: _Cut, extent: float, total: int
+) -> tuple[F64, I64, I64, F64, F64]:
+    """Cost (dataset NCP), span and item occurrences of merging block ``b`` with each block of ``sib``."""
+    s_end = data.block_end[sib]
+    lo = np.minimum(b, sib)
+    hi = np.maximum(b_end, s_end)
+    width = (data.vals[hi] - data.vals[lo]).astype(np.float64)
+    occurrences = data.cum_cnt[hi + 1] - data.cum_cnt[lo]
+    new = occurrences * np.minimum(1.0, width / extent)
+    x = new - (cut.cum[hi + 1] - cut.cum[lo])
+    cost = x / total
+    return cost, lo, hi, occurrences, x
 
 
 def _acd_candidates(
@@ -450,34 +717,28 @@ def _acd_candidates(
     cut: _Cut,
     extent: float,
     last_cache: dict[Itemset, I64],
-) -> Iterator[tuple[float, list[tuple[int, int]]]]:
-    """Merges at level ``ell``, cheapest first: ``img`` with another leaf under ``f``'s prefix, position by position."""
+    k: int = 0,
+) -> Iterator[Candidate]:
+    """Merges at level ``ell``, cheapest first: ``img`` with another leaf under ``f``'s prefix, position by position.
+
+    Sibling merges (``ell`` = ``len(f)``) that cannot reach support ``k`` are left out after
+    the first one.
+    """
     total = max(data.total_items, 1)
     leaves = by_prefix.get(f[: ell - 1], [])
     i = len(f)
-    if ell == i:  # siblings of the leaf: one merge each, priced all at once
+    if ell == i:  # siblings of the leaf: one merge each
         key = f[: ell - 1]
         last = last_cache.get(key)
         if last is None:
             last = last_cache[key] = np.unique(np.fromiter((leaf[-1] for leaf in leaves), np.int64, len(leaves)))
-        sib = np.unique(data.block_of[last])
-        sib = sib[sib != img[-1]]
-        if sib.size == 0:
-            return
-        b, b_end = img[-1], data.end_of(img[-1])
-        s_end = data.block_ends[np.searchsorted(data.block_starts, sib)]
-        lo = np.minimum(b, sib)
-        hi = np.maximum(b_end, s_end)
-        width = (data.vals[hi] - data.vals[lo]).astype(np.float64)
-        new = (data.cum_cnt[hi + 1] - data.cum_cnt[lo]) * np.minimum(1.0, width / extent)
-        cost = (new - (cut.cum[hi + 1] - cut.cum[lo])) / total
-        for j in np.lexsort((lo, cost)).tolist():
-            yield float(cost[j]), [(int(lo[j]), int(hi[j]))]
+        yield from _sibling_merges(data, img[-1], last, cut, extent, total, k)
         return
     seen: set[tuple[tuple[int, int], ...]] = set()
     out: list[tuple[float, list[tuple[int, int]]]] = []
+    block_of = data.block_of
     for leaf in leaves:
-        other = tuple(data.current(x) for x in leaf)
+        other = tuple(int(block_of[x]) for x in leaf)
         if other[ell - 1] == img[ell - 1]:
             continue
         pairs = tuple(
@@ -489,7 +750,8 @@ def _acd_candidates(
         spans = _union([(lo, data.end_of(hi)) for lo, hi in pairs])
         out.append((_merge_cost(data, cut, spans, extent) / total, spans))
     out.sort(key=lambda c: (c[0], c[1]))
-    yield from out
+    for c, spans in out:
+        yield c, spans, math.inf
 
 
 def _merge_cost(data: _Data, cut: _Cut, spans: Sequence[tuple[int, int]], extent: float) -> float:
@@ -546,20 +808,21 @@ def _node_span(data: _Data, h: FixedHierarchy, b: int, level: int) -> tuple[int,
 def _aa(data: _Data, h: FixedHierarchy, k: int, m: int, budget: int) -> None:
     ext = _aa_ext(data, h)
 
-    def fix(f: Itemset, img: Itemset, counts: Counter[Itemset]) -> bool:
-        return _aa_fix(data, h, ext, img, k, budget)
+    def fix(f: Itemset, img: Itemset, counts: Counter[Itemset], holders: npt.NDArray[np.intp]) -> bool:
+        return _aa_fix(data, h, ext, img, holders, k, budget)
 
     _run(data, k, m, fix)
 
 
-def _aa_fix(data: _Data, h: FixedHierarchy, ext: F64, img: Itemset, k: int, budget: int) -> bool:
+def _aa_fix(
+    data: _Data, h: FixedHierarchy, ext: F64, img: Itemset, holders: npt.NDArray[np.intp], k: int, budget: int
+) -> bool:
     """Raise ``img``'s items to the cheapest combination of levels that makes it frequent.
 
     Suppressing its holders competes as in ACD. Returns whether records were suppressed.
     """
     cut = _Cut(data, ext[data.level])
     total = max(data.total_items, 1)
-    holders = data.holders([(b, data.end_of(b)) for b in img])
     sup_cost = cut.suppression(holders) / total if _can_suppress(data, holders, budget) else math.inf
     distinct = sorted(set(img))
     choices = [range(int(data.level[b]), h.height + 1) for b in distinct]
@@ -642,7 +905,9 @@ def _release(
     labels: dict[int, str] = {}
     ncp_of: dict[int, float] = {}
     extent = max(data.extent, 1.0)
-    for b, e in zip(data.block_starts.tolist(), data.block_ends.tolist(), strict=True):
+
+    def describe(b: int) -> None:  # written form and NCP of the block starting at b
+        e = data.end_of(b)
         if algo is KmAlgorithm.AA:
             assert hierarchy is not None
             lv = int(data.level[b])
@@ -656,6 +921,8 @@ def _release(
         else:
             labels[b] = fmt.range(int(data.vals[b]), int(data.vals[e]))
             ncp_of[b] = min(1.0, float(data.vals[e] - data.vals[b]) / extent)
+
+    block_of = data.block_of.tolist()
     out: list[tuple[str, ...] | None] = []
     total = generalized = 0
     loss = 0.0
@@ -665,7 +932,10 @@ def _release(
             total += len(rec)
             loss += len(rec)  # a suppressed item is fully generalized
             continue
-        blocks = data.block_of[rec].tolist()
+        blocks = [block_of[v] for v in rec]
+        for b in blocks:
+            if b not in labels:
+                describe(b)
         out.append(tuple(sorted(labels[b] for b in blocks)))
         total += len(blocks)
         loss += sum(ncp_of[b] for b in blocks)
@@ -678,7 +948,7 @@ def _release(
             k_achieved = low if k_achieved is None else min(k_achieved, low)
     if k_achieved is not None and k_achieved < k:  # pragma: no cover - the loops above guarantee it
         raise AssertionError("k^m-anonymization left a rare sub-bag")
-    suppressed = int(np.count_nonzero(~data.alive))
+    suppressed = data.n_suppressed()
     return KmRelease(tuple(out), algo, k, m, suppressed, loss / total if total else 0.0, k_achieved, generalized)
 
 
