@@ -153,11 +153,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when installed (about a third more requests per core), else asyncio's.
+    """asyncio's event loop, or uvloop's with ``KCLOAK_EVENT_LOOP=uvloop``.
 
-    ``KCLOAK_EVENT_LOOP=asyncio`` forces the standard loop.
+    asyncio is the default because it measured faster here: with uvloop, ``kcloak bench broker``
+    took a third of the MQTT updates/s (its transports hand the intake protocol smaller chunks) and
+    fewer HTTP updates/s.
     """
-    if os.environ.get("KCLOAK_EVENT_LOOP", "uvloop") == "asyncio":
+    if os.environ.get("KCLOAK_EVENT_LOOP", "asyncio") != "uvloop":
         return None
     try:
         import uvloop
