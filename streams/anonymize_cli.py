@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -48,6 +49,7 @@ def add_parser(sub: Any) -> None:
         "--tau-s", type=float, default=None, metavar="S", help=f"w4m: time tolerance of a match ({DEFAULT_TAU_S:g} s)"
     )
     p.add_argument("--distance", choices=DISTANCES, default="edr", help="w4m: edit distance (edr)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
 
 
@@ -70,13 +72,22 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--delta: must be a finite number of metres ≥ 0")
     if not 0 <= args.trash_max < 1:
         raise UsageError("--trash-max: must be within [0, 1)")
+    for flag, target in (("-o", args.output), ("--report", args.report), ("--mapping", args.mapping)):
+        if target is not None and not Path(target).resolve().parent.is_dir():
+            raise UsageError(f"{flag} {target}: its folder does not exist")
     err = Console(stderr=True)
-    try:
-        fixes = read_fixes(args.input, args.format)
-    except ReaderError as exc:
-        raise UsageError(str(exc)) from None
+    show = not args.no_progress and err.is_terminal
+
+    def phase(text: str) -> contextlib.AbstractContextManager[Any]:
+        return err.status(text) if show else contextlib.nullcontext()
+
+    with phase(f"reading {args.input}"):
+        try:
+            fixes = read_fixes(args.input, args.format)
+        except ReaderError as exc:
+            raise UsageError(str(exc)) from None
     started = time.perf_counter()
-    with err.status(f"anonymizing {len(fixes.t)} fixes with {args.method} (k={args.k}, delta={args.delta:g} m)"):
+    with phase(f"anonymizing {len(fixes.t)} fixes with {args.method} (k={args.k}, delta={args.delta:g} m)"):
         try:
             release = anonymize(
                 fixes,
