@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import secrets
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,7 @@ from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.ratelimit import DedupWindow, TokenBuckets
 from broker.sessions import Session, SessionState, SessionTable, session_status
-from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile
+from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile, StoreError
 from broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
 from broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
 from cloaking.cloakers import Refusal, Region, get_cloaker
@@ -694,7 +695,11 @@ class Pipeline:
         """Retention of the movement store and the presence gauge (contract §11)."""
         while True:
             await asyncio.sleep(period_s)
-            deleted = await self.apply_retention()
+            try:
+                deleted = await self.apply_retention()
+            except (StoreError, sqlite3.Error) as exc:  # retried next period; never stops the broker
+                log_event(log, "retention_failed", logging.ERROR, store="movement", error=type(exc).__name__)
+                deleted = 0
             if self.history is not None:
                 self.history.prune(self.clock())
             if deleted:
@@ -705,7 +710,7 @@ class Pipeline:
         """Delete fixes older than ``storage.retention_s``, never those of a window not yet committed."""
         cutoff = self.clock() - self.config.storage.retention_s
         keep_from = self.retention_floor() if self.retention_floor is not None else None
-        return await asyncio.to_thread(self.movement.delete_older_than, cutoff, keep_from=keep_from)
+        return await self.movement.delete_older_than(cutoff, keep_from=keep_from)
 
     async def run_expiry(self) -> None:
         """Refuse held requests whose deadline passed (one timer for the whole pool, §5.2)."""

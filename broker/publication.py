@@ -57,7 +57,7 @@ from broker.config import Config
 from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.mqtt_intake import MqttIntakeError
-from broker.stores import MovementStore
+from broker.stores import GroupCommitWriter, MovementStore
 from streams.publish import METHODS, Release, anonymize
 from streams.readers import FixTable, read_contract_csv, write_contract_csv
 
@@ -142,25 +142,24 @@ def window_start(t: float, window_s: int) -> int:
 class WindowLedger:
     """The ``windows`` table of ``movement.sqlite3`` on a connection of its own (thread-safe)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writer: GroupCommitWriter) -> None:
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._lock = threading.Lock()
+        self._writer = writer  # writes go through the movement store's writer thread
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    def commit(self, window: Window, *, n_in: int, n_out: int, t: float) -> None:
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO windows VALUES (?, ?, ?, 'committed', ?, ?, ?, NULL)",
-                (window.window_id, window.t_start, window.t_end, n_in, n_out, t),
-            )
+    async def commit(self, window: Window, *, n_in: int, n_out: int, t: float) -> None:
+        await self._writer.execute(
+            "INSERT OR REPLACE INTO windows VALUES (?, ?, ?, 'committed', ?, ?, ?, NULL)",
+            (window.window_id, window.t_start, window.t_end, n_in, n_out, t),
+        )
 
-    def mark_sent(self, window_id: str, t: float) -> None:
-        with self._lock:
-            self._conn.execute("UPDATE windows SET state = 'sent', sent_t = ? WHERE window_id = ?", (t, window_id))
+    async def mark_sent(self, window_id: str, t: float) -> None:
+        await self._writer.execute("UPDATE windows SET state = 'sent', sent_t = ? WHERE window_id = ?", (t, window_id))
 
     def get(self, window_id: str) -> WindowRecord | None:
         with self._lock:
@@ -244,7 +243,7 @@ class WindowPublisher:
         self.clock = clock
         self.pi_s = min(PI_S_MAX, pub.window_s / 10) if self.enabled else PI_S_MAX
         self.started_t = clock()
-        self.ledger = WindowLedger(movement.path)
+        self.ledger = WindowLedger(movement.path, movement.writer)
         self.process_min_rows = process_min_rows
         self._worker: concurrent.futures.ProcessPoolExecutor | None = None
         self._cursor: int | None = None
@@ -346,7 +345,7 @@ class WindowPublisher:
         report["n_too_short"] += n_few
         await asyncio.to_thread(self._write_files, window, release.table, report)
         n_in, n_out = int(report["n_in"]), int(report["n_out"])
-        await asyncio.to_thread(self.ledger.commit, window, n_in=n_in, n_out=n_out, t=self.clock())
+        await self.ledger.commit(window, n_in=n_in, n_out=n_out, t=self.clock())
         self._cursor = window.t_end
         assert self._unsent is not None
         self._unsent.append(window.window_id)
@@ -447,7 +446,7 @@ class WindowPublisher:
                 except (MqttIntakeError, OSError, TimeoutError) as exc:
                     log_event(log, "window_send_failed", logging.WARNING, window_id=window_id, error=type(exc).__name__)
                     return
-            await asyncio.to_thread(self.ledger.mark_sent, window_id, self.clock())
+            await self.ledger.mark_sent(window_id, self.clock())
             self._unsent.pop(0)
             log_event(log, "window_sent", window_id=window_id, mqtt=self.send is not None)
 

@@ -145,11 +145,20 @@ class ProfileStore:
 
 
 class _Batch:
-    __slots__ = ("future", "loop", "rows")
+    __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql")
 
-    def __init__(self, rows: Sequence[tuple[Any, ...]], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        rows: Sequence[tuple[Any, ...]],
+        loop: asyncio.AbstractEventLoop,
+        sql: str | None = None,
+        params: tuple[Any, ...] = (),
+    ) -> None:
         self.rows = rows
         self.loop = loop
+        self.sql = sql  # a single statement run instead of the insert (retention, window ledger)
+        self.params = params
+        self.rowcount = 0
         self.future: asyncio.Future[None] = loop.create_future()
 
 
@@ -181,7 +190,6 @@ class GroupCommitWriter:
         self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._on_commit = on_commit
         self._thread = threading.Thread(target=self._run, name=f"kcloak-{name}-writer", daemon=True)
-        self._extra: queue.SimpleQueue[tuple[str, tuple[Any, ...], _Batch]] = queue.SimpleQueue()
         self._thread.start()
 
     @property
@@ -209,6 +217,15 @@ class GroupCommitWriter:
         batch = _Batch(rows, asyncio.get_running_loop())
         self._queue.put(batch)
         await batch.future
+
+    async def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        """Run one statement on the writer's connection, in order with the queued writes; returns its
+        row count. Every write to the database goes through this thread, so writers never wait on
+        each other's locks (a second connection could starve for its busy timeout under load)."""
+        batch = _Batch((), asyncio.get_running_loop(), sql, params)
+        self._queue.put(batch)
+        await batch.future
+        return batch.rowcount
 
     async def barrier(self) -> None:
         """Return once every write queued before this call has committed (or failed)."""
@@ -247,7 +264,10 @@ class GroupCommitWriter:
         try:
             self._conn.execute("BEGIN")
             for b in batches:
-                self._conn.executemany(self._sql, b.rows)
+                if b.sql is not None:
+                    b.rowcount = self._conn.execute(b.sql, b.params).rowcount
+                elif b.rows:
+                    self._conn.executemany(self._sql, b.rows)
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
             error = exc
@@ -331,13 +351,20 @@ class MovementStore:
                 "SELECT user_id, MAX(t), lat, lon FROM fixes WHERE t >= ? GROUP BY user_id", (since,)
             ).fetchall()
 
-    def delete_older_than(self, t: float, *, keep_from: float | None = None) -> int:
-        """Retention: drop fixes older than ``t`` but never at or after ``keep_from``."""
+    async def delete_older_than(self, t: float, *, keep_from: float | None = None, chunk: int = 20_000) -> int:
+        """Retention: drop fixes older than ``t`` but never at or after ``keep_from``.
+
+        Runs on the writer thread in chunks of ``chunk`` rows, so inserts keep flowing between them.
+        """
         cutoff = t if keep_from is None else min(t, keep_from)
-        with self._read_lock:
-            cur = self._read.execute("DELETE FROM fixes WHERE t < ?", (cutoff,))
-            self._read.commit()
-            return cur.rowcount
+        total = 0
+        while True:
+            n = await self.writer.execute(
+                "DELETE FROM fixes WHERE rowid IN (SELECT rowid FROM fixes WHERE t < ? LIMIT ?)", (cutoff, chunk)
+            )
+            total += n
+            if n < chunk:
+                return total
 
 
 class QueryLog:

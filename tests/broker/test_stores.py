@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sqlite3
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,19 @@ async def test_group_commit_writes_everything_once(tmp_path: Path) -> None:
     store.close()
 
 
+async def test_retention_runs_in_chunks_between_concurrent_writes(tmp_path: Path) -> None:
+    """Deletes go through the writer thread, interleaved with inserts: none waits on a lock."""
+    store = MovementStore(tmp_path / "movement.sqlite3", capacity=1_000_000)
+    await store.append([(f"u{i}", float(t), 39.9, 116.4) for i in range(20) for t in range(100)])
+    writes = [store.append([(f"w{i}", 1000.0 + t, 39.9, 116.4) for t in range(200)]) for i in range(30)]
+    deleted, *_ = await asyncio.gather(store.delete_older_than(60.0, keep_from=50.0, chunk=7), *writes)
+    assert deleted == 20 * 50  # t < min(60, keep_from 50)
+    assert len(store.fixes_between(0, 50)) == 0
+    assert len(store.fixes_between(50, 100)) == 20 * 50
+    assert len(store.fixes_between(1000, 2000)) == 30 * 200
+    store.close()
+
+
 def test_reservation_is_bounded(tmp_path: Path) -> None:
     store = MovementStore(tmp_path / "m.sqlite3", capacity=10)
     assert store.writer.try_reserve(8)
@@ -108,3 +123,27 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
     conn = sqlite3.connect(db)
     users = {r[0] for r in conn.execute("SELECT user_id FROM fixes")}
     assert {f"u{b}" for b in range(acked + 1)} <= users
+
+
+async def test_housekeeping_survives_a_failed_retention(http_broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store error during retention is logged and retried next period; the broker keeps running."""
+    pipeline = http_broker.pipeline
+    calls = 0
+
+    async def failing(*_: object, **__: object) -> int:
+        nonlocal calls
+        calls += 1
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(pipeline.movement, "delete_older_than", failing)
+    task = asyncio.create_task(pipeline.run_housekeeping(period_s=0.02))
+    try:
+        for _ in range(200):
+            if calls >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert calls >= 3 and not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
