@@ -32,7 +32,8 @@ class Incoming:
     retain: bool
 
 
-def _remaining_length(n: int) -> bytes:
+def encode_remaining_length(n: int) -> bytes:
+    """MQTT's variable-length "remaining length" field."""
     out = bytearray()
     while True:
         byte = n % 128
@@ -44,13 +45,15 @@ def _remaining_length(n: int) -> bytes:
             return bytes(out)
 
 
-def _utf8(s: str) -> bytes:
+def encode_utf8(s: str) -> bytes:
+    """An MQTT UTF-8 string: two length bytes, then the bytes."""
     b = s.encode("utf-8")
     return struct.pack("!H", len(b)) + b
 
 
-def _packet(kind: int, flags: int, body: bytes) -> bytes:
-    return bytes([(kind << 4) | flags]) + _remaining_length(len(body)) + body
+def encode_packet(kind: int, flags: int, body: bytes) -> bytes:
+    """A whole MQTT control packet: fixed header, remaining length, body."""
+    return bytes([(kind << 4) | flags]) + encode_remaining_length(len(body)) + body
 
 
 class _Protocol(asyncio.Protocol):
@@ -167,7 +170,7 @@ class IntakeConnection:
         """Send a QoS 0 PUBLISH on this connection (load generators; answers use aiomqtt)."""
         if self._transport is None or self._transport.is_closing():
             raise MqttIntakeError("not connected")
-        self._transport.write(_packet(PUBLISH, 0, _utf8(topic) + payload))
+        self._transport.write(encode_packet(PUBLISH, 0, encode_utf8(topic) + payload))
 
     async def run(self, connected: Callable[[], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -183,8 +186,8 @@ class IntakeConnection:
                 code = await proto.connack
             if code != 0:
                 raise MqttIntakeError(f"connection refused by the MQTT broker (code {code})")
-            body = struct.pack("!H", 1) + b"".join(_utf8(f) + b"\x01" for f in self.filters)
-            transport.write(_packet(SUBSCRIBE, 2, body))
+            body = struct.pack("!H", 1) + b"".join(encode_utf8(f) + b"\x01" for f in self.filters)
+            transport.write(encode_packet(SUBSCRIBE, 2, body))
             async with asyncio.timeout(10):
                 granted = await proto.suback
             if any(g == 0x80 for g in granted):
@@ -207,15 +210,15 @@ class IntakeConnection:
 
     def _connect_packet(self) -> bytes:
         flags = 0x02  # clean session
-        payload = _utf8(f"kcloak-in-{secrets.token_hex(6)}")
+        payload = encode_utf8(f"kcloak-in-{secrets.token_hex(6)}")
         if self.username is not None:
             flags |= 0x80
-            payload += _utf8(self.username)
+            payload += encode_utf8(self.username)
             if self.password is not None:
                 flags |= 0x40
-                payload += _utf8(self.password)
-        body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return _packet(CONNECT, 0, body)
+                payload += encode_utf8(self.password)
+        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
+        return encode_packet(CONNECT, 0, body)
 
 
 class _PubProtocol(asyncio.Protocol):
@@ -339,7 +342,7 @@ class PublishConnection:
             raise MqttIntakeError("not connected")
         flags = (qos << 1) | (1 if retain else 0)
         if qos == 0:
-            transport.write(_packet(PUBLISH, flags, _utf8(topic) + payload))
+            transport.write(encode_packet(PUBLISH, flags, encode_utf8(topic) + payload))
             return
         for _ in range(65535):
             self._next_id = self._next_id % 65535 + 1
@@ -350,20 +353,20 @@ class PublishConnection:
         pid = self._next_id
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         proto.pending[pid] = fut
-        transport.write(_packet(PUBLISH, flags, _utf8(topic) + struct.pack("!H", pid) + payload))
+        transport.write(encode_packet(PUBLISH, flags, encode_utf8(topic) + struct.pack("!H", pid) + payload))
         await fut
 
     def _connect_packet(self) -> bytes:
         flags = 0x02
-        payload = _utf8(f"kcloak-pub-{secrets.token_hex(6)}")
+        payload = encode_utf8(f"kcloak-pub-{secrets.token_hex(6)}")
         if self.will_topic is not None:
             flags |= 0x04 | (1 << 3) | 0x20  # will, will QoS 1, will retain
-            payload += _utf8(self.will_topic) + struct.pack("!H", len(self.will_payload)) + self.will_payload
+            payload += encode_utf8(self.will_topic) + struct.pack("!H", len(self.will_payload)) + self.will_payload
         if self.username is not None:
             flags |= 0x80
-            payload += _utf8(self.username)
+            payload += encode_utf8(self.username)
             if self.password is not None:
                 flags |= 0x40
-                payload += _utf8(self.password)
-        body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return _packet(CONNECT, 0, body)
+                payload += encode_utf8(self.password)
+        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
+        return encode_packet(CONNECT, 0, body)

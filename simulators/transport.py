@@ -27,7 +27,19 @@ from types import TracebackType
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
-CONNECT, CONNACK, PUBLISH, PUBACK, SUBSCRIBE, SUBACK, PINGREQ, PINGRESP, DISCONNECT = 1, 2, 3, 4, 8, 9, 12, 13, 14
+# The MQTT 3.1.1 packet codec is shared with the broker's intake client.
+from broker.mqtt_intake import (
+    CONNACK,
+    CONNECT,
+    DISCONNECT,
+    PINGREQ,
+    PUBACK,
+    PUBLISH,
+    SUBACK,
+    SUBSCRIBE,
+    encode_packet,
+    encode_utf8,
+)
 
 DEFAULT_MQTT_PORT = 1883
 DEFAULT_HTTP_PORT = 8470
@@ -77,27 +89,6 @@ class MqttMessage:
 
     topic: str
     payload: bytes
-
-
-def _remaining_length(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n % 128
-        n //= 128
-        if n:
-            byte |= 0x80
-        out.append(byte)
-        if not n:
-            return bytes(out)
-
-
-def _utf8(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("!H", len(b)) + b
-
-
-def _packet(kind: int, flags: int, body: bytes) -> bytes:
-    return bytes([(kind << 4) | flags]) + _remaining_length(len(body)) + body
 
 
 class _MqttProtocol(asyncio.Protocol):
@@ -293,8 +284,8 @@ class MqttClient:
         """Subscribe at QoS 1 and wait for the SUBACK; a refused filter raises :class:`TransportError`."""
         proto, t = self._live()
         proto.suback = asyncio.get_running_loop().create_future()
-        body = struct.pack("!H", self._packet_id(proto)) + b"".join(_utf8(f) + b"\x01" for f in filters)
-        t.write(_packet(SUBSCRIBE, 2, body))
+        body = struct.pack("!H", self._packet_id(proto)) + b"".join(encode_utf8(f) + b"\x01" for f in filters)
+        t.write(encode_packet(SUBSCRIBE, 2, body))
         try:
             async with asyncio.timeout(10):
                 granted = await proto.suback
@@ -310,7 +301,7 @@ class MqttClient:
             await proto.writable.wait()
             proto, t = self._live()
         if qos == 0:
-            t.write(_packet(PUBLISH, 0, _utf8(topic) + payload))
+            t.write(encode_packet(PUBLISH, 0, encode_utf8(topic) + payload))
             self.published += 1
             return
         await self._slots.acquire()
@@ -318,7 +309,7 @@ class MqttClient:
         pid = self._packet_id(proto)
         proto.pending[pid] = None
         self._idle.clear()
-        t.write(_packet(PUBLISH, 2, _utf8(topic) + struct.pack("!H", pid) + payload))
+        t.write(encode_packet(PUBLISH, 2, encode_utf8(topic) + struct.pack("!H", pid) + payload))
         self.published += 1
 
     async def publish(self, topic: str, payload: bytes, *, qos: int = 1) -> None:
@@ -333,7 +324,7 @@ class MqttClient:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         proto.pending[pid] = fut
         self._idle.clear()
-        t.write(_packet(PUBLISH, 2, _utf8(topic) + struct.pack("!H", pid) + payload))
+        t.write(encode_packet(PUBLISH, 2, encode_utf8(topic) + struct.pack("!H", pid) + payload))
         self.published += 1
         await fut
 
@@ -385,15 +376,15 @@ class MqttClient:
 
     def _connect_packet(self) -> bytes:
         flags = 0x02  # clean session
-        payload = _utf8(self.client_id)
+        payload = encode_utf8(self.client_id)
         if self.username is not None:
             flags |= 0x80
-            payload += _utf8(self.username)
+            payload += encode_utf8(self.username)
             if self.password is not None:
                 flags |= 0x40
-                payload += _utf8(self.password)
-        body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return _packet(CONNECT, 0, body)
+                payload += encode_utf8(self.password)
+        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
+        return encode_packet(CONNECT, 0, body)
 
 
 # -- HTTP --------------------------------------------------------------------------------------

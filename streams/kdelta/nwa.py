@@ -178,12 +178,41 @@ class _Farthest:
 
 
 @dataclass(frozen=True, slots=True)
-class _Step:
+class Step:
     """One pivot of a greedy run: the pivot, its (k−1)-th neighbour distance and the rows it removed."""
 
     pivot: int
     dist: float
     removed: I64
+
+
+def replay_runs(
+    runs: Sequence[tuple[float, Sequence[Step]]], max_radius: float, n: int
+) -> tuple[list[Step], npt.NDArray[np.bool_], list[I64], list[int]]:
+    """The longest recorded run prefix that ``max_radius`` would repeat, and the state it leaves.
+
+    Returns ``(steps, alive, clusters, trash)``: two radii make the same choices up to the first pivot
+    whose (k−1)-th neighbour distance lies between them. Shared by NWA's and W4M's greedy clustering.
+    """
+    steps: list[Step] = []
+    for radius, log in runs:
+        same = 0
+        for s in log:
+            if (s.dist > radius) != (s.dist > max_radius):
+                break
+            same += 1
+        if same > len(steps):
+            steps = list(log[:same])
+    alive = np.ones(n, bool)
+    clusters: list[I64] = []
+    trash: list[int] = []
+    for s in steps:
+        alive[s.removed] = False
+        if s.dist > max_radius:
+            trash.append(s.pivot)
+        else:
+            clusters.append(s.removed)
+    return steps, alive, clusters, trash
 
 
 class _Greedy:
@@ -197,7 +226,7 @@ class _Greedy:
         self.X, self.m, self.k = X, m, k
         self.z, self.rnorm = _summaries(X, m)
         self.sq = np.einsum("ij,ij->i", X, X)
-        self.runs: list[tuple[float, list[_Step]]] = []
+        self.runs: list[tuple[float, list[Step]]] = []
 
     def run(self, max_radius: float) -> tuple[list[I64], I64]:
         """Clusters (pivot first) and trashed rows for ``max_radius``."""
@@ -205,24 +234,7 @@ class _Greedy:
         n = len(X)
         if n < k:
             return [], np.arange(n, dtype=np.int64)
-        steps: list[_Step] = []
-        for radius, log in self.runs:
-            same = 0
-            for s in log:
-                if (s.dist > radius) != (s.dist > max_radius):
-                    break
-                same += 1
-            if same > len(steps):
-                steps = log[:same]
-        alive = np.ones(n, bool)
-        clusters: list[I64] = []
-        trash: list[int] = []
-        for s in steps:
-            alive[s.removed] = False
-            if s.dist > max_radius:
-                trash.append(s.pivot)
-            else:
-                clusters.append(s.removed)
+        steps, alive, clusters, trash = replay_runs(self.runs, max_radius, n)
         if steps:
             ref = X[steps[-1].pivot]
             z_ref, r_ref = self.z[steps[-1].pivot], float(self.rnorm[steps[-1].pivot])
@@ -243,7 +255,7 @@ class _Greedy:
             else:
                 removed = np.r_[p, near].astype(np.int64)
                 clusters.append(removed)
-            steps.append(_Step(p, d_last, removed))
+            steps.append(Step(p, d_last, removed))
             nb.remove(removed)
         self.runs.append((max_radius, steps))
         left = np.flatnonzero(nb.alive)

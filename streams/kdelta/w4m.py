@@ -53,7 +53,7 @@ from scipy.spatial import cKDTree
 
 from cloaking.geometry import Aeqd
 from streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
-from streams.kdelta.nwa import DELTA_MARGIN_M, space_translate
+from streams.kdelta.nwa import DELTA_MARGIN_M, Step, replay_runs, space_translate
 from streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
@@ -385,19 +385,12 @@ class _Space:
 
 
 # -- greedy clustering ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Step:
-    pivot: int
-    dist: float
-    removed: I64
-
-
 class _Greedy:
     """NWA's greedy pivot clustering (§7.3) over the W4M distance, replaying common prefixes of earlier runs."""
 
     def __init__(self, space: _Space, k: int) -> None:
         self.space, self.k = space, k
-        self.runs: list[tuple[float, list[_Step]]] = []
+        self.runs: list[tuple[float, list[Step]]] = []
 
     def run(self, max_radius: float) -> tuple[list[I64], I64]:
         sp, k = self.space, self.k
@@ -405,21 +398,7 @@ class _Greedy:
         n = len(summary)
         if n < k:
             return [], np.arange(n, dtype=np.int64)
-        steps: list[_Step] = []
-        for radius, log in self.runs:
-            same = 0
-            for s in log:
-                if (s.dist > radius) != (s.dist > max_radius):
-                    break
-                same += 1
-            if same > len(steps):
-                steps = log[:same]
-        alive = np.ones(n, bool)
-        clusters: list[I64] = []
-        trash: list[int] = []
-        for s in steps:
-            alive[s.removed] = False
-            (trash.append(s.pivot) if s.dist > max_radius else clusters.append(s.removed))
+        steps, alive, clusters, trash = replay_runs(self.runs, max_radius, n)
         ref = summary[steps[-1].pivot] if steps else summary.mean(axis=0)
         n_alive = int(np.count_nonzero(alive))
         while n_alive >= k:
@@ -434,7 +413,7 @@ class _Greedy:
             else:
                 removed = np.r_[p, near].astype(np.int64)
                 clusters.append(removed)
-            steps.append(_Step(p, d_last, removed))
+            steps.append(Step(p, d_last, removed))
             alive[removed] = False
             n_alive -= len(removed)
         self.runs.append((max_radius, steps))
