@@ -56,6 +56,45 @@ def encode_packet(kind: int, flags: int, body: bytes) -> bytes:
     return bytes([(kind << 4) | flags]) + encode_remaining_length(len(body)) + body
 
 
+MAX_REMAINING_LENGTH = 268_435_455
+"""The largest remaining length four bytes can encode (MQTT 3.1.1 §2.2.3)."""
+
+
+class MalformedFrame(ValueError):
+    """A remaining length longer than four bytes, or a packet over the allowed size."""
+
+
+def split_frames(buf: bytearray, max_packet: int = MAX_REMAINING_LENGTH) -> tuple[list[tuple[int, int, int]], int]:
+    """The complete control packets at the head of ``buf``, as ``(first byte, body start, body end)``,
+    and how many bytes they span (an incomplete packet at the end stays for the next chunk).
+
+    Raises :class:`MalformedFrame` for a remaining length over four bytes or over ``max_packet``.
+    """
+    frames: list[tuple[int, int, int]] = []
+    pos, n = 0, len(buf)
+    while n - pos >= 2:
+        mult, length, i = 1, 0, pos + 1
+        while True:
+            if i >= pos + 5:
+                raise MalformedFrame("remaining length over four bytes")
+            if i >= n:
+                return frames, pos
+            byte = buf[i]
+            length += (byte & 0x7F) * mult
+            i += 1
+            if not byte & 0x80:
+                break
+            mult *= 128
+        if length > max_packet:
+            raise MalformedFrame("packet too large")
+        end = i + length
+        if end > n:
+            break
+        frames.append((buf[pos], i, end))
+        pos = end
+    return frames, pos
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, on_message: Callable[[list[Incoming]], None], max_packet: int) -> None:
         self.on_message = on_message
@@ -80,36 +119,14 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
-        pos = 0
-        n = len(buf)
+        try:
+            frames, pos = split_frames(buf, self.max_packet)
+        except MalformedFrame:
+            self._fail()
+            return
         batch: list[Incoming] = []
         acks = bytearray()
-        while True:
-            if n - pos < 2:
-                break
-            first = buf[pos]
-            # remaining length: up to 4 bytes
-            mult, length, i = 1, 0, pos + 1
-            complete = False
-            while i < n and i < pos + 5:
-                byte = buf[i]
-                length += (byte & 0x7F) * mult
-                i += 1
-                if not byte & 0x80:
-                    complete = True
-                    break
-                mult *= 128
-            if not complete:
-                if i >= pos + 5:
-                    self._fail()
-                    return
-                break
-            if length > self.max_packet:
-                self._fail()
-                return
-            end = i + length
-            if end > n:
-                break
+        for first, i, end in frames:
             kind = first >> 4
             if kind == PUBLISH:
                 qos = (first >> 1) & 3
@@ -121,10 +138,9 @@ class _Protocol(asyncio.Protocol):
                     j += 2
                 batch.append(Incoming(topic, bytes(buf[j:end]), qos, bool(first & 1)))
             elif kind == CONNACK and not self.connack.done():
-                self.connack.set_result(buf[i + 1] if length >= 2 else 255)
+                self.connack.set_result(buf[i + 1] if end - i >= 2 else 255)
             elif kind == SUBACK and not self.suback.done():
                 self.suback.set_result(bytes(buf[i + 2 : end]))
-            pos = end
         del buf[:pos]
         if batch:
             self.on_message(batch)
@@ -247,24 +263,20 @@ class _PubProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
-        pos, n = 0, len(buf)
-        while n - pos >= 2:
-            first, length = buf[pos], buf[pos + 1]
-            if length & 0x80:  # the broker sends us only short packets; anything else is an error
-                if self.transport is not None:
-                    self.transport.close()
-                return
-            end = pos + 2 + length
-            if end > n:
-                break
+        try:
+            frames, pos = split_frames(buf, max_packet=127)  # the broker sends us only short packets
+        except MalformedFrame:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        for first, i, end in frames:
             kind = first >> 4
-            if kind == PUBACK and length >= 2:
-                fut = self.pending.pop((buf[pos + 2] << 8) | buf[pos + 3], None)
+            if kind == PUBACK and end - i >= 2:
+                fut = self.pending.pop((buf[i] << 8) | buf[i + 1], None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
             elif kind == CONNACK and not self.connack.done():
-                self.connack.set_result(buf[pos + 3] if length >= 2 else 255)
-            pos = end
+                self.connack.set_result(buf[i + 1] if end - i >= 2 else 255)
         del buf[:pos]
 
 

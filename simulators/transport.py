@@ -37,8 +37,10 @@ from broker.mqtt_intake import (
     PUBLISH,
     SUBACK,
     SUBSCRIBE,
+    MalformedFrame,
     encode_packet,
     encode_utf8,
+    split_frames,
 )
 
 DEFAULT_MQTT_PORT = 1883
@@ -133,31 +135,18 @@ class _MqttProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
-        pos, n = 0, len(buf)
+        try:
+            frames, pos = split_frames(buf)
+        except MalformedFrame:
+            if self.transport is not None:
+                self.transport.close()
+            return
         batch: list[MqttMessage] = []
         acks = bytearray()
         acked = 0
-        while n - pos >= 2:
-            first = buf[pos]
-            mult, length, i, complete = 1, 0, pos + 1, False
-            while i < n and i < pos + 5:
-                byte = buf[i]
-                length += (byte & 0x7F) * mult
-                i += 1
-                if not byte & 0x80:
-                    complete = True
-                    break
-                mult *= 128
-            if not complete:
-                if i >= pos + 5 and self.transport is not None:
-                    self.transport.close()
-                    return
-                break
-            end = i + length
-            if end > n:
-                break
+        for first, i, end in frames:
             kind = first >> 4
-            if kind == PUBACK and length >= 2:
+            if kind == PUBACK and end - i >= 2:
                 pid = (buf[i] << 8) | buf[i + 1]
                 if pid in self.pending:
                     fut = self.pending.pop(pid)
@@ -174,10 +163,9 @@ class _MqttProtocol(asyncio.Protocol):
                     j += 2
                 batch.append(MqttMessage(topic, bytes(buf[j:end])))
             elif kind == CONNACK and not self.connack.done():
-                self.connack.set_result(buf[i + 1] if length >= 2 else 255)
+                self.connack.set_result(buf[i + 1] if end - i >= 2 else 255)
             elif kind == SUBACK and self.suback is not None and not self.suback.done():
                 self.suback.set_result(bytes(buf[i + 2 : end]))
-            pos = end
         del buf[:pos]
         if acks and self.transport is not None:
             self.transport.write(bytes(acks))

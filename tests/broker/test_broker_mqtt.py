@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import aiomqtt
+import pytest
 
 from broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
@@ -142,3 +143,17 @@ async def test_broker_status_is_retained_up_then_down(tmp_path: Path, spy: SpyUp
                     break
     assert up["state"] == "up" and up["algorithm"] == "hilbert" and up["auth"] == "open"
     assert down["state"] == "down" and isinstance(down["t"], float)
+
+
+def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -> None:
+    from broker.mqtt_intake import MalformedFrame, encode_packet, split_frames
+
+    small, big = encode_packet(4, 0, b"\x00\x07"), encode_packet(3, 0, b"x" * 300)  # 300: two length bytes
+    buf = bytearray(small + big + big[:5])
+    frames, used = split_frames(buf)
+    assert frames == [(0x40, 2, 4), (0x30, 7, 307)] and used == len(small) + len(big)
+    assert split_frames(bytearray(b"\x30\xff\xff"))[1] == 0  # length still arriving
+    with pytest.raises(MalformedFrame):
+        split_frames(bytearray(b"\x30\xff\xff\xff\xff\x01"))  # five length bytes
+    with pytest.raises(MalformedFrame):
+        split_frames(bytearray(big), max_packet=127)
