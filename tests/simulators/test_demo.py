@@ -21,25 +21,8 @@ from PIL import Image
 from broker.cli import main
 from simulators.demo import crop_streets, demo_area, street_chains, traffic_end, write_osm
 from simulators.streets import StreetGraph, parse_osm
+from tests.simulators.test_report import CONTRACT_KEYS, EXTENSION_KEYS
 
-CONTRACT_KEYS = [
-    "users",
-    "duration_s",
-    "algorithm",
-    "updates",
-    "updates_per_s",
-    "queries",
-    "ok",
-    "refused",
-    "success_rate",
-    "refusals",
-    "cloak_area_m2_median",
-    "achieved_k_mean",
-    "latency_ms_p50",
-    "latency_ms_p99",
-    "published_windows",
-]
-EXTENSION_KEYS = ["unanswered", "skipped_steps"]
 FILES = ("summary.json", "map.png", "cloak_area.png", "achieved_k.png", "latency.png")
 CHECKOUT = Path(__file__).resolve().parents[2]
 
