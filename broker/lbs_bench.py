@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-from rich.progress import Progress as RichProgressBar
 from rich.table import Table
 
 from broker.cli import UsageError
 from broker.lbs import LbsEngine, LonLatBox
-from cloaking.bench_cli import bench_subparsers
+from cloaking.bench_cli import bench_subparsers, rich_bar
 from cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
 from cloaking.places import PoiFileError, PoiSet, load_pois
 
@@ -214,15 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if len(pois) == 0:
         raise UsageError("POI file: no usable POIs")
     if not args.no_progress and sys.stderr.isatty():
-        bar = RichProgressBar(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        with bar:
+        with rich_bar() as bar:
             task = bar.add_task("bench lbs", total=config.requests)
             rows = run_lbs_bench(pois, config, on_request=lambda: bar.advance(task))
     else:

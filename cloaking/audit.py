@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +49,7 @@ from cloaking.attacks import (
     World,
 )
 from cloaking.attacks.base import Session
-from cloaking.bench import SYNTHETIC_NOW, auto_window_s, clustered_population, user_ids
+from cloaking.bench import SYNTHETIC_NOW, NullProgress, Progress, auto_window_s, clustered_population, user_ids
 from cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
 from cloaking.geometry import EARTH_RADIUS_M, BBox
 from cloaking.index import IndexView
@@ -70,20 +70,6 @@ CLIQUE_ARRIVAL_SPREAD_S = 60.0
 
 class AuditError(ValueError):
     """Bad audit input (unknown algorithm, too few users, …): exit 2 at the CLI."""
-
-
-class Progress(Protocol):
-    def phase(self, description: str, total: int) -> None: ...
-
-    def advance(self, n: int) -> None: ...
-
-
-class _NoProgress:
-    def phase(self, description: str, total: int) -> None:
-        return None
-
-    def advance(self, n: int) -> None:
-        return None
 
 
 # -- worlds -----------------------------------------------------------------------------------
@@ -537,7 +523,7 @@ def cloak_world(
 
 def run_audit(world: World, config: AuditConfig, *, progress: Progress | None = None) -> AuditReport:
     """Every attack of ``config`` against every algorithm and k (see module doc)."""
-    prog = progress if progress is not None else _NoProgress()
+    prog = progress if progress is not None else NullProgress()
     snap = snapshot_targets(world, config.queries, config.seed)
     track = tracking_targets(world, config.queries, config.seed)
     rows: list[AuditRow] = []

@@ -8,13 +8,11 @@ import json
 import math
 import secrets
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker.cli import UsageError
-from cloaking.bench_cli import SPATIAL_ALGORITHMS
+from cloaking.bench_cli import SPATIAL_ALGORITHMS, phase_progress
 
 if TYPE_CHECKING:
     from cloaking.audit import AuditReport
@@ -112,42 +110,6 @@ def _seed(value: int | None) -> int:
     return value if value is not None else secrets.randbelow(2**31)
 
 
-class _Bar:
-    def __init__(self, bar: Any) -> None:
-        self._bar = bar
-        self._task: Any = None
-
-    def phase(self, description: str, total: int) -> None:
-        if self._task is not None:
-            self._bar.update(self._task, visible=False)
-        self._task = self._bar.add_task(description, total=total)
-
-    def advance(self, n: int) -> None:
-        if self._task is not None:
-            self._bar.advance(self._task, n)
-
-
-@contextmanager
-def _progress(show: bool) -> Iterator[Any]:
-    if not show:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as RichProgress
-
-    bar = RichProgress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with bar:
-        yield _Bar(bar)
-
-
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
     from cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
@@ -176,7 +138,7 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
             world = trace_world(read_fixes(args.data), frames=args.snapshots, seed=seed, source=Path(args.data).name)
     except (AuditError, ReaderError) as exc:
         raise UsageError(str(exc)) from None
-    with _progress(not args.no_progress and sys.stderr.isatty()) as bar:
+    with phase_progress(not args.no_progress and sys.stderr.isatty()) as bar:
         report = run_audit(world, config, progress=bar)
     if args.report:
         out = Path(args.report)

@@ -195,7 +195,7 @@ def run_bench_cloak(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     pop = load_population(args, config.seed)
     show = not args.no_progress and sys.stderr.isatty()
-    with _progress(show) as progress:
+    with phase_progress(show) as progress:
         report = run_cloak_bench(pop, config, progress=progress)
     for row in report.rows:
         if "error" in row.extra:
@@ -224,18 +224,13 @@ class RichProgress:
             self._bar.advance(self._task, n)
 
 
-@contextmanager
-def _progress(show: bool) -> Iterator[Progress]:
-    from cloaking.bench import NullProgress
-
-    if not show:
-        yield NullProgress()
-        return
+def rich_bar() -> RichProgressBar:
+    """The commands' progress bar on stderr (description, bar, done/total, elapsed), gone when done."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as RichProgressBar
 
-    bar = RichProgressBar(
+    return RichProgressBar(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -243,7 +238,17 @@ def _progress(show: bool) -> Iterator[Progress]:
         console=Console(stderr=True),
         transient=True,
     )
-    with bar:
+
+
+@contextmanager
+def phase_progress(show: bool) -> Iterator[Progress]:
+    """A :class:`cloaking.bench.Progress` drawn on stderr when ``show``, else one that shows nothing."""
+    from cloaking.bench import NullProgress
+
+    if not show:
+        yield NullProgress()
+        return
+    with rich_bar() as bar:
         yield RichProgress(bar)
 
 

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers
+from cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
     from streams.bench import AnonymizeBenchConfig
@@ -90,9 +90,6 @@ def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     """``kcloak bench anonymize``: 0 when at least one run finished (ok or refused by the bound), else 1."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as RichProgressBar
 
     from streams.bench import run_anonymize_bench
 
@@ -100,15 +97,7 @@ def run(args: argparse.Namespace) -> int:
     show = not args.no_progress and sys.stderr.isatty()
     runs = len(config.specs())
     if show:
-        bar = RichProgressBar(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        with bar:
+        with rich_bar() as bar:
             task = bar.add_task("bench anonymize", total=runs)
             rows = run_anonymize_bench(config, on_row=lambda _row: bar.advance(task))
     else:

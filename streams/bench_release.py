@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers
+from cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -124,18 +124,7 @@ def _bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
     if not enabled:
         yield None, None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with bar:
+    with rich_bar() as bar:
         yield bar, bar.add_task("bench release", total=total)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker.cli import UsageError
+from cloaking.bench_cli import rich_bar
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -115,18 +116,7 @@ def _stages(enabled: bool) -> Iterator[Progress | None]:
     if not enabled:
         yield None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with bar:
+    with rich_bar() as bar:
         yield bar
 
 
