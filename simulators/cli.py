@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers
+from cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
     from simulators.transport import TransportError
@@ -161,16 +161,10 @@ def add_parser(subparsers: SubParsers) -> None:
 # -- helpers -----------------------------------------------------------------------------------
 @contextmanager
 def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    err = Console(stderr=True)
-    if not enabled or not err.is_terminal:
+    if not enabled or not sys.stderr.isatty():
         yield None
         return
-    with Progress(
-        TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True
-    ) as bar:
+    with rich_bar() as bar:
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:
