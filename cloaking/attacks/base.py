@@ -264,6 +264,19 @@ class CloakingAttack(ABC):
     def assess_risk(self, data: CloakedWorld, targets: Sequence[Target]) -> Risk:
         """Attack the requests of ``targets``; risk per target."""
 
+    @staticmethod
+    def _forwarded(data: CloakedWorld, targets: Sequence[Target]) -> tuple[list[tuple[Target, int]], int]:
+        """The targets whose request was forwarded, each with its querier's row; and how many were refused."""
+        answered: list[tuple[Target, int]] = []
+        refused = 0
+        for tg in targets:
+            row = int(data.world.row_of_user[tg.frame][tg.user])
+            if row < 0 or not data.forwarded[tg.frame].ok[row]:
+                refused += 1
+            else:
+                answered.append((tg, row))
+        return answered, refused
+
     def _risk(
         self,
         data: CloakedWorld,

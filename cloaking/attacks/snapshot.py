@@ -63,13 +63,9 @@ class CentreGuess(CloakingAttack):
     def assess_risk(self, data: CloakedWorld, targets: Sequence[Target]) -> Risk:
         risk: list[float] = []
         done: list[Target] = []
-        refused = 0
-        for tg in targets:
-            row = int(data.world.row_of_user[tg.frame][tg.user])
+        answered, refused = self._forwarded(data, targets)
+        for tg, row in answered:
             fwd = data.forwarded[tg.frame]
-            if row < 0 or not fwd.ok[row]:
-                refused += 1
-                continue
             pool = _pool(data, tg.frame, row, self.policy_aware)
             b = fwd.bbox[row].astype(np.float64) / UDEG_PER_DEG
             view = data.world.frames[tg.frame]
@@ -117,13 +113,9 @@ class BoundaryGuess(CloakingAttack):
         risk: list[float] = []
         done: list[Target] = []
         boundary_share: list[float] = []
-        refused = 0
-        for tg in targets:
-            row = int(data.world.row_of_user[tg.frame][tg.user])
+        answered, refused = self._forwarded(data, targets)
+        for tg, row in answered:
             fwd = data.forwarded[tg.frame]
-            if row < 0 or not fwd.ok[row]:
-                refused += 1
-                continue
             if tg.frame not in priors:
                 priors[tg.frame] = self._prior(data, tg.frame)
             f = priors[tg.frame]
@@ -181,13 +173,9 @@ class ObservationIdentification(CloakingAttack):
         risk: list[float] = []
         done: list[Target] = []
         no_guess = 0
-        refused = 0
-        for tg in targets:
-            row = int(data.world.row_of_user[tg.frame][tg.user])
+        answered, refused = self._forwarded(data, targets)
+        for tg, row in answered:
             fwd = data.forwarded[tg.frame]
-            if row < 0 or not fwd.ok[row]:
-                refused += 1
-                continue
             if tg.frame not in seen:
                 seen[tg.frame] = self.observed(data, tg.frame)
             inside = data.inside(tg.frame, fwd.bbox[row])
@@ -219,13 +207,9 @@ class RestrictedSpaceIdentification(CloakingAttack):
         risk: list[float] = []
         done: list[Target] = []
         single = 0
-        refused = 0
-        for tg in targets:
-            row = int(data.world.row_of_user[tg.frame][tg.user])
+        answered, refused = self._forwarded(data, targets)
+        for tg, row in answered:
             fwd = data.forwarded[tg.frame]
-            if row < 0 or not fwd.ok[row]:
-                refused += 1
-                continue
             b = fwd.bbox[row]
             hit = known[(h_lon_u >= b[0]) & (h_lon_u <= b[2]) & (h_lat_u >= b[1]) & (h_lat_u <= b[3])]
             done.append(tg)
@@ -275,13 +259,9 @@ class Homogeneity(CloakingAttack):
         risk: list[float] = []
         done: list[Target] = []
         top_share: list[float] = []
-        refused = 0
-        for tg in targets:
-            row = int(data.world.row_of_user[tg.frame][tg.user])
+        answered, refused = self._forwarded(data, targets)
+        for tg, row in answered:
             fwd = data.forwarded[tg.frame]
-            if row < 0 or not fwd.ok[row]:
-                refused += 1
-                continue
             if tg.frame not in cats:
                 cats[tg.frame] = self.categories(data, tg.frame)
             inside = cats[tg.frame][data.inside(tg.frame, fwd.bbox[row])]
