@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
 
 from broker.auth import TokenStore
+from broker.serve_cli import event_loop_factory
 
 SERVICE_USER = "_kcloak"
 _ROOT = "kcloak/v1/"
@@ -141,20 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="embedded-mqtt %(levelname)s %(name)s")
     for name in ("amqtt", "transitions"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory(default="uvloop")) as runner:
         return runner.run(_main(args))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when installed, as ``kcloak serve`` uses (amqtt then spends about an eighth
-    less CPU per message), else asyncio's; ``KCLOAK_EVENT_LOOP=asyncio`` forces the standard loop."""
-    if os.environ.get("KCLOAK_EVENT_LOOP", "uvloop") == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":
