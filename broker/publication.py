@@ -193,6 +193,21 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _stop_worker(worker: concurrent.futures.ProcessPoolExecutor, grace_s: float = 5.0) -> None:
+    """Stop the worker now: a window still being anonymized is abandoned (it is processed anew after a
+    restart), so the broker never waits at exit for an algorithm run of many seconds to finish."""
+    # The executor keeps its processes private (3.14 adds terminate_workers()); without them, an idle
+    # worker still exits on the shutdown sentinel.
+    processes = list((getattr(worker, "_processes", None) or {}).values())
+    worker.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(grace_s)
+        if process.is_alive():
+            process.kill()
+
+
 def _record(row: tuple[Any, ...]) -> WindowRecord:
     return WindowRecord(row[0], int(row[1]), int(row[2]), WindowState(row[3]), int(row[4]), int(row[5]), row[6], row[7])
 
@@ -251,8 +266,7 @@ class WindowPublisher:
 
     def close(self) -> None:
         if self._worker is not None:
-            # A window still being anonymized is abandoned (it is processed anew after a restart).
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            _stop_worker(self._worker)
             self._worker = None
         self.ledger.close()
 
@@ -376,7 +390,7 @@ class WindowPublisher:
         except Exception as exc:  # the worker died or could not start, or the algorithm failed: run it here
             log_event(log, "publication_worker_failed", logging.WARNING, error=type(exc).__name__)
             if isinstance(exc, concurrent.futures.process.BrokenProcessPool | OSError) and self._worker is not None:
-                self._worker.shutdown(wait=False, cancel_futures=True)
+                _stop_worker(self._worker)
                 self._worker = None
         return await asyncio.to_thread(self._anonymize, rows)
 

@@ -229,8 +229,26 @@ async def test_large_window_is_anonymized_in_a_worker_process(tmp_path: Path) ->
     check_published_csv(tmp_path / "published" / "trajectories" / "1000-1010.csv", users, len(users))
     assert [m["n_trajectories"] for m in out.messages] == [6]
     [worker] = workers
-    worker.join(timeout=10)
-    assert not worker.is_alive()
+    assert not worker.is_alive()  # closing stopped it, without waiting
+
+
+async def test_closing_abandons_a_window_still_being_anonymized(tmp_path: Path) -> None:
+    """Stopping the broker does not wait for a long anonymization in the worker: the worker is ended
+    at once and the window, never committed, is processed anew after a restart."""
+    import time
+
+    clock = Clock(1000.0)
+    users = [f"user{i}" for i in range(6)]
+    async with publisher(tmp_path, clock, Outbox(), process_min_rows=30) as (pub, store):
+        await store.append(group_fixes(users, 1000.0, 10, 1.0))
+        clock.t = 1015.0
+        assert await pub.step() == ["1000-1010"]  # starts the worker
+        assert pub._worker is not None
+        busy = pub._worker.submit(time.sleep, 120)  # a run far longer than any test timeout
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+    assert time.monotonic() - started < 10
+    assert busy.cancelled() or busy.exception(timeout=10) is not None
 
 
 async def test_too_few_users_publish_the_window_empty(tmp_path: Path) -> None:
