@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from broker.http_client import Origin
 from cloaking.profile import PrivacyProfile, ProfileError
 
 ALGORITHMS = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
@@ -218,8 +219,12 @@ class Config:
         mode = self.mqtt.mode
         if mode not in ("embedded", "none") and not mode.startswith("mqtt://"):
             raise ConfigError('mqtt.mode: must be "embedded", "none" or mqtt://[USER@]HOST[:PORT]')
-        if not self.upstream.url.startswith(("http://", "https://")):
-            raise ConfigError("upstream.url: must be an http:// or https:// URL")
+        try:
+            Origin.parse(self.upstream.url)
+        except ValueError:
+            raise ConfigError(
+                "upstream.url: must be an http:// or https:// URL with a host and no query, fragment or credentials"
+            ) from None
         if self.cloaking.algorithm not in ALGORITHMS:
             raise ConfigError(f"cloaking.algorithm: must be one of {', '.join(ALGORITHMS)}")
         if self.publish.method not in PUBLISH_METHODS:

@@ -228,7 +228,8 @@ class MqttDoor:
 
     async def publish(self, topic: str, payload: dict[str, Any]) -> None:
         try:
-            await self.wait_connected(5.0)
+            if not self._publish_ready.is_set():
+                await self.wait_connected(5.0)
         except TimeoutError:
             log_event(log, "mqtt_publish_dropped", logging.WARNING, reason="disconnected")
             return

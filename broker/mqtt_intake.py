@@ -309,6 +309,8 @@ class PublishConnection:
         self._transport: asyncio.Transport | None = None
         self._next_id = 0
         self._pinger: asyncio.Task[None] | None = None
+        # Publishes made in one event-loop turn leave in one write (one system call, not one each).
+        self._out: list[bytes] = []
 
     async def __aenter__(self) -> PublishConnection:
         loop = asyncio.get_running_loop()
@@ -334,8 +336,19 @@ class PublishConnection:
         if self._pinger is not None:
             self._pinger.cancel()
         if self._transport is not None and not self._transport.is_closing():
+            self._flush()
             self._transport.write(bytes([DISCONNECT << 4, 0]))
             self._transport.close()
+
+    def _write(self, packet: bytes) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(packet)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(out))
 
     @property
     def closed(self) -> asyncio.Future[None]:
@@ -354,7 +367,7 @@ class PublishConnection:
             raise MqttIntakeError("not connected")
         flags = (qos << 1) | (1 if retain else 0)
         if qos == 0:
-            transport.write(encode_packet(PUBLISH, flags, encode_utf8(topic) + payload))
+            self._write(encode_packet(PUBLISH, flags, encode_utf8(topic) + payload))
             return
         for _ in range(65535):
             self._next_id = self._next_id % 65535 + 1
@@ -365,7 +378,7 @@ class PublishConnection:
         pid = self._next_id
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         proto.pending[pid] = fut
-        transport.write(encode_packet(PUBLISH, flags, encode_utf8(topic) + struct.pack("!H", pid) + payload))
+        self._write(encode_packet(PUBLISH, flags, encode_utf8(topic) + struct.pack("!H", pid) + payload))
         await fut
 
     def _connect_packet(self) -> bytes:

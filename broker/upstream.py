@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import aiohttp
-
 from broker import __version__
+from broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout
 from broker.metrics import Metrics
+from broker.validation import parse_json_object
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
@@ -105,40 +105,41 @@ class UpstreamClient:
         metrics: Metrics | None = None,
     ) -> None:
         self.url = url.rstrip("/") + "/v1/search"
+        self._path = ""
         self.timeout_s = timeout_s
         self.retries = retries
         self.deadline_s = deadline_s
         self.concurrency = concurrency
         self._token = token
         self._metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: HttpPool | None = None
         self._sem = asyncio.Semaphore(concurrency)
         self.waiting = 0
         self.healthy: bool | None = None
 
     async def __aenter__(self) -> UpstreamClient:
-        headers = {"User-Agent": f"kcloak/{__version__}", "Content-Type": "application/json"}
+        headers = [("User-Agent", f"kcloak/{__version__}")]
         if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        self._session = aiohttp.ClientSession(
+            headers.append(("Authorization", f"Bearer {self._token}"))
+        self._pool, self._path = HttpPool.for_url(
+            self.url,
+            connections=self.concurrency,
+            timeout_s=self.timeout_s,
             headers=headers,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            connector=aiohttp.TCPConnector(limit=self.concurrency, force_close=False),
-            skip_auto_headers=("Accept-Encoding",),
-            auto_decompress=True,
+            max_body=MAX_RESPONSE_BYTES,
         )
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     async def search(self, request: SearchRequest) -> list[Candidate]:
         """Candidates for ``request``; raises :class:`UpstreamError` after the retry policy."""
-        assert self._session is not None, "UpstreamClient used outside its context"
+        assert self._pool is not None, "UpstreamClient used outside its context"
         deadline = time.monotonic() + self.deadline_s
         self.waiting += 1
         try:
@@ -173,53 +174,45 @@ class UpstreamClient:
             self._sem.release()
 
     async def _attempt(self, request: SearchRequest, deadline: float) -> list[Candidate]:
-        assert self._session is not None
+        assert self._pool is not None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _Final("deadline")
         started = time.perf_counter()
         outcome = "ok"
         try:
-            timeout = aiohttp.ClientTimeout(total=min(self.timeout_s, remaining))
-            body = json.dumps(request.body(new_pseudonym()), separators=(",", ":"))
-            async with self._session.post(self.url, data=body, timeout=timeout, allow_redirects=False) as resp:
-                if resp.status >= 500 or resp.status == 429:
-                    outcome = "http_error"
-                    raise _Retryable(outcome)
-                if resp.status != 200:
-                    outcome = "http_error"
-                    raise _Final(outcome)
-                if resp.content_length is not None and resp.content_length > MAX_RESPONSE_BYTES:
-                    outcome = "invalid_response"
-                    raise _Final(outcome)
-                raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
-                if len(raw) > MAX_RESPONSE_BYTES:
-                    outcome = "invalid_response"
-                    raise _Final(outcome)
+            body = json.dumps(request.body(new_pseudonym()), separators=(",", ":")).encode()
             try:
-                return parse_candidates(raw, request.category)
+                resp = await self._pool.request("POST", self._path, body, timeout_s=min(self.timeout_s, remaining))
+            except HttpTimeout:
+                outcome = "timeout"
+                raise _Retryable(outcome) from None
+            except HttpProtocolError:  # not HTTP, or a head or body beyond the limits
+                outcome = "invalid_response"
+                raise _Final(outcome) from None
+            except HttpConnectionError:
+                outcome = "connection_error"
+                raise _Retryable(outcome) from None
+            if resp.status >= 500 or resp.status == 429:
+                outcome = "http_error"
+                raise _Retryable(outcome)
+            if resp.status != 200:
+                outcome = "http_error"
+                raise _Final(outcome)
+            try:
+                return parse_candidates(resp.body, request.category)
             except ValueError:
                 outcome = "invalid_response"
                 raise _Final(outcome) from None
-        except TimeoutError:
-            outcome = "timeout"
-            raise _Retryable(outcome) from None
-        except aiohttp.ClientError:
-            outcome = "connection_error"
-            raise _Retryable(outcome) from None
         finally:
             if self._metrics is not None:
                 self._metrics.upstream_seconds.labels(outcome=outcome).observe(time.perf_counter() - started)
 
 
-def _reject(name: str) -> Any:
-    raise ValueError(name)
-
-
 def parse_candidates(raw: bytes, category: str | None) -> list[Candidate]:
     """Strict check of a provider response (contract §5); ValueError when invalid."""
-    doc = json.loads(raw.decode("utf-8"), parse_constant=_reject)
-    if not isinstance(doc, dict) or not isinstance(doc.get("candidates"), list):
+    doc = parse_json_object(raw)  # UTF-8, an object, no NaN or Infinity, bounded nesting
+    if not isinstance(doc.get("candidates"), list):
         raise ValueError("candidates")
     out: list[Candidate] = []
     for c in doc["candidates"]:

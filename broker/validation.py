@@ -79,7 +79,8 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
         raise MalformedJson("JSON: body is not valid JSON") from None
     if not isinstance(obj, dict):
         raise MalformedJson("JSON: the top level must be an object")
-    if not _depth(obj, MAX_DEPTH):
+    # Nesting needs brackets: a text with few of them (every usual body) cannot be too deep.
+    if text.count("{") + text.count("[") > MAX_DEPTH and not _depth(obj, MAX_DEPTH):
         raise MalformedJson(f"JSON: nesting deeper than {MAX_DEPTH} levels")
     return obj
 

@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 # The MQTT 3.1.1 packet codec is shared with the broker's intake client.
+from broker.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
 from broker.mqtt_intake import (
     CONNACK,
     CONNECT,
@@ -376,67 +377,9 @@ class MqttClient:
 
 
 # -- HTTP --------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class HttpResponse:
-    status: int
-    body: bytes
-
-
-class _HttpConnection:
-    """One keep-alive HTTP/1.1 connection; one request at a time."""
-
-    __slots__ = ("reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def request(self, head: bytes, body: bytes) -> tuple[HttpResponse, bool]:
-        """The response and whether the connection may be reused."""
-        self.writer.write(head + body)
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.split(b"\r\n")
-        try:
-            status = int(lines[0].split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            raise TransportError("malformed HTTP status line") from None
-        length: int | None = None
-        chunked = False
-        keep = True
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value.strip())
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                chunked = True
-            elif name == b"connection" and value.strip().lower() == b"close":
-                keep = False
-        if chunked:
-            parts: list[bytes] = []
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
-                if size == 0:
-                    await self.reader.readuntil(b"\r\n")
-                    break
-                parts.append(await self.reader.readexactly(size))
-                await self.reader.readexactly(2)
-            data = b"".join(parts)
-        elif length is not None:
-            data = await self.reader.readexactly(length)
-        elif status in (204, 304) or 100 <= status < 200:
-            data = b""
-        else:
-            data = await self.reader.read()
-            keep = False
-        return HttpResponse(status, data), keep
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class HttpClient:
-    """A pool of keep-alive HTTP/1.1 connections to one host (async context manager).
+    """A pool of keep-alive HTTP/1.1 connections to one kcloak listener (async context manager);
+    the broker's lean client (:class:`broker.http_client.HttpPool`) with errors as :class:`TransportError`.
 
     Keyword-only arguments:
         host, port: the kcloak HTTP listener.
@@ -445,16 +388,9 @@ class HttpClient:
     """
 
     def __init__(self, *, host: str, port: int, connections: int = 64, timeout_s: float = 60.0) -> None:
-        if connections < 1:
-            raise ValueError("connections: must be >= 1")
         self.host = host
         self.port = port
-        self.connections = connections
-        self.timeout_s = timeout_s
-        self._idle: list[_HttpConnection] = []
-        self._open = 0
-        self._free = asyncio.Condition()
-        self._host_header = f"Host: {host}:{port}\r\n".encode()
+        self._pool = HttpPool(host=host, port=port, connections=connections, timeout_s=timeout_s)
 
     async def __aenter__(self) -> HttpClient:
         return self
@@ -462,59 +398,21 @@ class HttpClient:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for conn in self._idle:
-            conn.close()
-        self._idle.clear()
-
-    async def _acquire(self) -> _HttpConnection:
-        async with self._free:
-            while not self._idle and self._open >= self.connections:
-                await self._free.wait()
-            if self._idle:
-                return self._idle.pop()
-            self._open += 1
-        try:
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=4 * 1024 * 1024)
-        except OSError as exc:
-            await self._release(None)
-            raise TransportError(f"cannot connect to the broker ({exc.strerror or type(exc).__name__})") from None
-        return _HttpConnection(reader, writer)
-
-    async def _release(self, conn: _HttpConnection | None) -> None:
-        async with self._free:
-            if conn is None:
-                self._open -= 1
-            else:
-                self._idle.append(conn)
-            self._free.notify()
+        self._pool.close()
 
     async def request(
         self, method: str, path: str, body: bytes | None = None, *, token: str | None = None
     ) -> HttpResponse:
         """Send one request (JSON body if given) and read the whole response; errors raise :class:`TransportError`."""
-        head = [f"{method} {path} HTTP/1.1\r\n".encode(), self._host_header]
-        if token is not None:
-            head.append(f"Authorization: Bearer {token}\r\n".encode())
-        payload = body or b""
-        if body is not None:
-            head.append(b"Content-Type: application/json\r\n")
-        head.append(f"Content-Length: {len(payload)}\r\n\r\n".encode())
-        conn = await self._acquire()
-        keep = False
+        headers = (("Authorization", f"Bearer {token}"),) if token is not None else ()
         try:
-            async with asyncio.timeout(self.timeout_s):
-                response, keep = await conn.request(b"".join(head), payload)
-        except TimeoutError:
+            return await self._pool.request(method, path, body, headers=headers)
+        except HttpTimeout:
             raise TransportError("the broker did not answer in time") from None
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise TransportError(f"HTTP connection failed ({type(exc).__name__})") from None
-        finally:
-            if keep:
-                await self._release(conn)
-            else:
-                conn.close()
-                await self._release(None)
-        return response
+        except HttpConnectionError as exc:
+            raise TransportError(f"cannot reach the broker over HTTP: {exc}") from None
+        except HttpError as exc:
+            raise TransportError(f"the broker's HTTP response is invalid: {exc}") from None
 
 
 __all__ = [
