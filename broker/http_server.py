@@ -19,7 +19,7 @@ from broker import __version__
 from broker.auth import TokenStore
 from broker.config import Config
 from broker.metrics import Metrics
-from broker.pipeline import Duplicate, Pipeline, QueryRejected
+from broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from broker.publication import WindowPublisher
 from broker.validation import InvalidInput, MalformedJson, parse_fix, parse_json_object, valid_user_id
 from cloaking.profile import ProfileError, ReasonCode
@@ -229,6 +229,8 @@ async def post_locations(request: web.Request) -> web.Response:
     items: list[tuple[str, Any]] = []
     codes: dict[int, ReasonCode] = {}
     for i, item in enumerate(updates):
+        if i and i % FIX_CHUNK == 0:  # a large batch does not hold up other requests for long
+            await asyncio.sleep(0)
         who = item.get("user") if isinstance(item, dict) else None
         if auth_user is not None:
             if who is not None and who != auth_user:
@@ -245,7 +247,7 @@ async def post_locations(request: web.Request) -> web.Response:
         items.append((who, fix))
     for _ in codes:
         pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
-    res = await pipeline.submit_fixes("http", items)
+    res = await pipeline.submit_fix_batch("http", items)
     valid_positions = [i for i in range(len(updates)) if i not in codes]
     for pos, code in zip(valid_positions, res.codes, strict=True):
         if code is not None:
@@ -305,9 +307,10 @@ async def _run_query(request: web.Request, body: dict[str, Any]) -> web.Response
     stored, _, _ = pipeline.get_profile(user)
     cfg = request.app[CONFIG]
     wait_s = stored.max_delay_s + cfg.upstream.deadline_s + 1.0
-    task = asyncio.ensure_future(pipeline.query("http", user, qid, body))
+    task = pipeline.start_query("http", user, qid, body)  # runs to its answer even if the client leaves
     try:
-        outcome = await asyncio.wait_for(asyncio.shield(task), timeout=wait_s)
+        async with asyncio.timeout(wait_s):
+            outcome = await asyncio.shield(task)
     except TimeoutError:
         raise HttpError(ReasonCode.OVERLOADED, "no answer in time", query_id=qid) from None
     answer = outcome.answer

@@ -38,7 +38,6 @@ log = logging.getLogger("kcloak.mqtt")
 TOPICS = ("update", "updates", "profile", "query")
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
-UPDATES_CHUNK = 500
 """Fixes of one batch message handed to the pipeline per event-loop turn."""
 
 
@@ -340,21 +339,13 @@ class MqttDoor:
         if self.tokens_mode and any(_item_user(item, user) != user for item in updates):
             self._drop("updates", "forbidden")
             return
-        # A large batch is handed over in chunks, one event-loop turn each, so that queries and
-        # answers arriving meanwhile are not held up behind thousands of fixes. The chunks are
-        # validated in order, and committed and applied in order (one writer, FIFO).
-        chunks: list[asyncio.Task[Any]] = []
-        for start in range(0, len(updates), UPDATES_CHUNK):
-            if chunks:
-                await asyncio.sleep(0)
-            items: list[tuple[str, Any]] = []
-            for item in updates[start : start + UPDATES_CHUNK]:
-                if isinstance(item, dict) and "user" in item:
-                    items.append((_item_user(item, user), {k: v for k, v in item.items() if k != "user"}))
-                else:
-                    items.append((user, item))
-            chunks.append(asyncio.create_task(self.pipeline.submit_fixes("mqtt", items)))
-        await asyncio.gather(*chunks)
+        items: list[tuple[str, Any]] = []
+        for item in updates:
+            if isinstance(item, dict) and "user" in item:
+                items.append((_item_user(item, user), {k: v for k, v in item.items() if k != "user"}))
+            else:
+                items.append((user, item))
+        await self.pipeline.submit_fix_batch("mqtt", items)
 
     async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
         request_id = obj.get("request_id")

@@ -47,6 +47,8 @@ MAX_RANGE_RESULTS = 1000
 SNAPSHOT_ALGORITHMS = ("nn", "interval", "casper", "hilbert", "privacygrid")
 BATCH_ALGORITHMS = ("nn", "interval", "casper", "hilbert")
 BATCH_MIN = 16
+FIX_CHUNK = 500
+"""Most fixes of one batch handled in one event-loop turn (:meth:`Pipeline.submit_fix_batch`)."""
 """Waiting queries from which the cloak worker uses the vectorized ``cloak_batch``."""
 
 
@@ -259,6 +261,21 @@ class Pipeline:
         self.metrics.users_indexed.set(len(self.index))
         return result
 
+    async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
+        """:meth:`submit_fixes` for a batch of any size: handed over :data:`FIX_CHUNK` fixes per
+        event-loop turn, so that queries and answers arriving meanwhile are not held up behind
+        thousands of fixes. The chunks are validated, committed and applied in order (the store
+        has one writer, first in first out), so the outcome is that of one call."""
+        if len(items) <= FIX_CHUNK:
+            return await self.submit_fixes(transport, items)
+        chunks: list[asyncio.Task[FixResult]] = []
+        for start in range(0, len(items), FIX_CHUNK):
+            if chunks:
+                await asyncio.sleep(0)
+            chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
+        results = await asyncio.gather(*chunks)
+        return FixResult([code for r in results for code in r.codes])
+
     def _restore_last_t(self, previous: dict[str, float | None]) -> None:
         for user, t in previous.items():
             if t is None:
@@ -329,12 +346,14 @@ class Pipeline:
     async def query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> QueryOutcome:
         """Run an admitted query to its one answer. Never raises; cancellation of the caller does
         not stop the query (its answer is then discarded)."""
-        received = time.monotonic()
-        task = asyncio.create_task(self._run_query(transport, user, query_id, obj, received))
+        return await asyncio.shield(self.start_query(transport, user, query_id, obj))
+
+    def start_query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> asyncio.Task[QueryOutcome]:
+        """Start an admitted query; the task never raises and the broker's shutdown waits for it."""
+        task = asyncio.create_task(self._run_query(transport, user, query_id, obj, time.monotonic()))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
-        outcome = await asyncio.shield(task)
-        return outcome
+        return task
 
     async def _run_query(
         self, transport: str, user: str, query_id: str, obj: dict[str, Any], received: float
