@@ -56,6 +56,32 @@ def encode_packet(kind: int, flags: int, body: bytes) -> bytes:
     return bytes([(kind << 4) | flags]) + encode_remaining_length(len(body)) + body
 
 
+def encode_connect(
+    client_id: str,
+    *,
+    username: str | None,
+    password: str | None,
+    keepalive_s: int,
+    will: tuple[str, bytes] | None = None,
+) -> bytes:
+    """An MQTT 3.1.1 CONNECT with a clean session; a ``will`` (topic, payload) is QoS 1 and retained.
+    A password is sent only with a username (MQTT 3.1.1 §3.1.2.9)."""
+    flags = 0x02  # clean session
+    payload = encode_utf8(client_id)
+    if will is not None:
+        topic, message = will
+        flags |= 0x04 | (1 << 3) | 0x20  # will, will QoS 1, will retain
+        payload += encode_utf8(topic) + struct.pack("!H", len(message)) + message
+    if username is not None:
+        flags |= 0x80
+        payload += encode_utf8(username)
+        if password is not None:
+            flags |= 0x40
+            payload += encode_utf8(password)
+    body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", keepalive_s) + payload
+    return encode_packet(CONNECT, 0, body)
+
+
 MAX_REMAINING_LENGTH = 268_435_455
 """The largest remaining length four bytes can encode (MQTT 3.1.1 §2.2.3)."""
 
@@ -225,16 +251,12 @@ class IntakeConnection:
                 transport.close()
 
     def _connect_packet(self) -> bytes:
-        flags = 0x02  # clean session
-        payload = encode_utf8(f"kcloak-in-{secrets.token_hex(6)}")
-        if self.username is not None:
-            flags |= 0x80
-            payload += encode_utf8(self.username)
-            if self.password is not None:
-                flags |= 0x40
-                payload += encode_utf8(self.password)
-        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return encode_packet(CONNECT, 0, body)
+        return encode_connect(
+            f"kcloak-in-{secrets.token_hex(6)}",
+            username=self.username,
+            password=self.password,
+            keepalive_s=self.keepalive_s,
+        )
 
 
 class _PubProtocol(asyncio.Protocol):
@@ -382,16 +404,10 @@ class PublishConnection:
         await fut
 
     def _connect_packet(self) -> bytes:
-        flags = 0x02
-        payload = encode_utf8(f"kcloak-pub-{secrets.token_hex(6)}")
-        if self.will_topic is not None:
-            flags |= 0x04 | (1 << 3) | 0x20  # will, will QoS 1, will retain
-            payload += encode_utf8(self.will_topic) + struct.pack("!H", len(self.will_payload)) + self.will_payload
-        if self.username is not None:
-            flags |= 0x80
-            payload += encode_utf8(self.username)
-            if self.password is not None:
-                flags |= 0x40
-                payload += encode_utf8(self.password)
-        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return encode_packet(CONNECT, 0, body)
+        return encode_connect(
+            f"kcloak-pub-{secrets.token_hex(6)}",
+            username=self.username,
+            password=self.password,
+            keepalive_s=self.keepalive_s,
+            will=(self.will_topic, self.will_payload) if self.will_topic is not None else None,
+        )

@@ -31,7 +31,6 @@ from urllib.parse import urlsplit
 from broker.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
 from broker.mqtt_intake import (
     CONNACK,
-    CONNECT,
     DISCONNECT,
     PINGREQ,
     PUBACK,
@@ -39,6 +38,7 @@ from broker.mqtt_intake import (
     SUBACK,
     SUBSCRIBE,
     MalformedFrame,
+    encode_connect,
     encode_packet,
     encode_utf8,
     split_frames,
@@ -364,16 +364,9 @@ class MqttClient:
                 self._transport.write(bytes([PINGREQ << 4, 0]))
 
     def _connect_packet(self) -> bytes:
-        flags = 0x02  # clean session
-        payload = encode_utf8(self.client_id)
-        if self.username is not None:
-            flags |= 0x80
-            payload += encode_utf8(self.username)
-            if self.password is not None:
-                flags |= 0x40
-                payload += encode_utf8(self.password)
-        body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + payload
-        return encode_packet(CONNECT, 0, body)
+        return encode_connect(
+            self.client_id, username=self.username, password=self.password, keepalive_s=self.keepalive_s
+        )
 
 
 # -- HTTP --------------------------------------------------------------------------------------

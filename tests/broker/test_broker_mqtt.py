@@ -157,3 +157,15 @@ def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -
         split_frames(bytearray(b"\x30\xff\xff\xff\xff\x01"))  # five length bytes
     with pytest.raises(MalformedFrame):
         split_frames(bytearray(big), max_packet=127)
+
+
+def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
+    """CONNECT laid out by hand from the specification (§3.1): fixed header, protocol name and
+    level, connect flags, keep-alive, then client id, will topic and message, username, password."""
+    from broker.mqtt_intake import encode_connect
+
+    header = b"\x00\x04MQTT\x04"
+    with_login = encode_connect("c", username="u", password="p", keepalive_s=30)
+    assert with_login == b"\x10\x13" + header + b"\xc2\x00\x1e" + b"\x00\x01c" + b"\x00\x01u" + b"\x00\x01p"
+    with_will = encode_connect("c", username=None, password="ignored", keepalive_s=300, will=("w", b"xy"))
+    assert with_will == b"\x10\x14" + header + b"\x2e\x01\x2c" + b"\x00\x01c" + b"\x00\x01w" + b"\x00\x02xy"
