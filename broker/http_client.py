@@ -9,8 +9,8 @@ this one speaks only what these callers need and costs a fraction of that:
   ``connections`` keep-alive connections, requests beyond waiting for a free one;
 * responses framed by ``Content-Length``, ``Transfer-Encoding: chunked`` (extensions and trailers
   skipped) or the end of the connection; informational (1xx) responses skipped; ``Connection:
-  close`` and HTTP/1.0 honoured; ``Content-Encoding`` other than identity refused (``identity`` is
-  asked for);
+  close`` and HTTP/1.0 honoured; ``Content-Encoding`` other than identity refused (no
+  ``Accept-Encoding`` is sent: the only headers are ``Host``, the caller's fixed ones and framing);
 * bounded: response heads up to ``max_head`` bytes, bodies up to ``max_body`` bytes, the whole
   exchange (waiting for a connection included) within ``timeout_s``;
 * a request on a reused connection that the server had closed while idle is sent once more on a
@@ -249,7 +249,7 @@ class HttpPool:
         host_header = host if port == default_port else f"{host}:{port}"
         if ":" in host and not host.startswith("["):  # an IPv6 literal
             host_header = f"[{host}]" if port == default_port else f"[{host}]:{port}"
-        fixed = [("Host", host_header), *headers, ("Accept-Encoding", "identity")]
+        fixed = [("Host", host_header), *headers]
         self._fixed = "".join(f"{name}: {value}\r\n" for name, value in fixed).encode("latin-1")
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(connections)
