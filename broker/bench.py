@@ -282,19 +282,26 @@ def _http_query_worker(
     asyncio.run(main())
 
 
+QUERY_WINDOW = 256
+"""Most queries one MQTT client process keeps outstanding in the closed-loop phase."""
+
+
 def _mqtt_query_worker(
     port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
 ) -> None:
     """Queries at QoS 0 and answers read with the lean MQTT client (paho reads a byte at a time,
-    which would make this process the bottleneck); at most 256 queries outstanding when closed-loop."""
+    which would make this process the bottleneck); at most :data:`QUERY_WINDOW` queries outstanding when closed-loop."""
     from broker.mqtt_intake import Incoming, IntakeConnection
 
     async def main() -> None:
-        window = asyncio.Semaphore(256)
+        window = asyncio.Semaphore(QUERY_WINDOW)
+
+        mine = f'"query_id":"{tag}-{os.getpid()}-'.encode()
 
         def on_answers(batch: list[Incoming]) -> None:
-            for _ in batch:
-                window.release()
+            for m in batch:  # the filter also brings the other client processes' answers
+                if mine in m.payload:
+                    window.release()
 
         ready = asyncio.Event()
         conn = IntakeConnection(
@@ -351,6 +358,13 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
 # -- phases ----------------------------------------------------------------------------------------
 def _measure(http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, *needles: str) -> float:
     """Run workers; return the broker-side rate of ``metric`` over the middle of the run."""
+    return _measure_all(http_port, target, args_for, metric, [needles])[0]
+
+
+def _measure_all(
+    http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, needle_sets: list[tuple[str, ...]]
+) -> list[float]:
+    """Run workers; the broker-side rate of ``metric`` (one per set of label needles) over the middle of the run."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_for]
     for p in procs:
@@ -363,7 +377,7 @@ def _measure(http_port: int, target: Any, args_for: list[tuple[Any, ...]], metri
     m1, t1 = scrape(http_port), time.monotonic()
     for p in procs:
         p.join()
-    return (_sum(m1, metric, *needles) - _sum(m0, metric, *needles)) / (t1 - t0)
+    return [(_sum(m1, metric, *needles) - _sum(m0, metric, *needles)) / (t1 - t0) for needles in needle_sets]
 
 
 def _quiesce(http_port: int, timeout_s: float = 60.0) -> None:
@@ -457,12 +471,13 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 _quiesce(http_port)
                 _preload(http_port, users)
                 say(f"{transport} queries")
-                qps = _measure(
+                # Sustained = answered ok; refusals (overloaded above all) are reported beside it.
+                qps, refused_qps = _measure_all(
                     http_port,
                     worker,
                     [(port, part, d, None, f"max{i}") for i, part in enumerate(_split(users, parts))],
                     "kcloak_queries_total",
-                    f'transport="{transport}"',
+                    [(f'transport="{transport}"', 'status="ok"'), (f'transport="{transport}"', 'status="refused"')],
                 )
                 _quiesce(http_port)
                 _preload(http_port, users)
@@ -484,6 +499,7 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                         "users": cfg.users,
                         "updates_per_s": round(mqtt_updates if transport == "mqtt" else http_updates, 1),
                         "queries_per_s": round(qps, 1),
+                        "queries_refused_per_s": round(refused_qps, 1),
                         "latency_at_qps": round(qps / 2, 1),
                         "added_latency_ms_p50": None if p50 is None else round(p50 * 1000, 3),
                         "added_latency_ms_p99": None if p99 is None else round(p99 * 1000, 3),

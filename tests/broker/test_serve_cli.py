@@ -114,3 +114,24 @@ async def test_workload_logs_leak_no_ids_or_coordinates(tmp_path: Path, spy: Spy
     for needle in secrets_seen:
         assert needle not in err, needle
     assert len(spy.requests) >= 1
+
+
+def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
+    import gc
+
+    from broker.serve_cli import GC_THRESHOLD, settle_gc
+
+    before = gc.get_threshold()
+    try:
+        settle_gc()
+        assert gc.get_freeze_count() > 1000  # at least the code and objects of this process
+        assert gc.get_threshold() == GC_THRESHOLD
+        cycle: list[object] = []
+        cycle.append(cycle)
+        ref = len(gc.get_objects())
+        del cycle
+        gc.collect()  # cycles made after the freeze are still collected
+        assert len(gc.get_objects()) < ref
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
