@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession, TCPConnector, web
+from aiohttp import web
 
 from broker.mqtt import free_port
 
@@ -244,17 +244,19 @@ def _http_update_worker(port: int, users: list[tuple[str, float, float]], durati
 def _http_query_worker(
     port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
 ) -> None:
+    """kNN queries with the lean HTTP/1.1 client: 64 in a closed loop, or open loop at ``rate``/s."""
+    from simulators.transport import HttpClient
+
     async def main() -> None:
         end = time.monotonic() + duration_s
-        async with ClientSession(connector=TCPConnector(limit=128)) as http:
+        async with HttpClient(host="127.0.0.1", port=port, connections=128) as http:
             counter = [0]
 
             async def one() -> None:
                 counter[0] += 1
                 user = users[counter[0] % len(users)][0]
                 q = {"query_id": f"{tag}-{os.getpid()}-{counter[0]}", "kind": "knn", "n": 3}
-                async with http.post(f"http://127.0.0.1:{port}/v1/users/{user}/query", json=q) as r:
-                    await r.read()
+                await http.request("POST", f"/v1/users/{user}/query", json.dumps(q).encode())
 
             if rate is None:
 
