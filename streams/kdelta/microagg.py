@@ -262,10 +262,17 @@ def _comparable(fast: _Fast, rows: I64, cols: I64) -> B1:
     return out
 
 
+_WEIGHT_SCALE = float(2**20)
+"""Edge weights of the completion graph are multiples of 2⁻²⁰ m (about 1 µm)."""
+
+
 def _completion(fast: _Fast) -> csr_matrix | None:
     """Shortest-path distances for the incomparable pairs (CONCEPTS §7.5), or ``None`` when there are none.
 
     Dijkstra runs only from a vertex cover of the incomparable pairs (greedy, highest degree first).
+    Its edge weights are the fast distances rounded to multiples of 2⁻²⁰ m, so every path length is
+    an exact sum: the same from either end, and the same to identical trajectories (unrounded,
+    the matrix product's last bit depends on a column's position, and such ties broke differently).
     """
     n = len(fast.sm.s)
     everyone = np.arange(n, dtype=np.int64)
@@ -294,7 +301,7 @@ def _completion(fast: _Fast) -> csr_matrix | None:
         rows = everyone[a : a + ROW_BLOCK]
         d = fast.distances(rows, columns)
         r, c = np.nonzero(np.isfinite(d) & (rows[:, None] != everyone[None, :]))
-        data[indptr[a] : indptr[a + len(rows)]] = d[r, c]
+        data[indptr[a] : indptr[a + len(rows)]] = np.round(d[r, c] * _WEIGHT_SCALE) / _WEIGHT_SCALE
         indices[indptr[a] : indptr[a + len(rows)]] = c
     graph = csr_matrix((data, indices, indptr), shape=(n, n))
     del data, indices
