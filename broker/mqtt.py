@@ -38,7 +38,6 @@ log = logging.getLogger("kcloak.mqtt")
 TOPICS = ("update", "updates", "profile", "query")
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
-"""Fixes of one batch message handed to the pipeline per event-loop turn."""
 
 
 def free_port() -> int:
