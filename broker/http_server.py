@@ -247,7 +247,7 @@ async def post_locations(request: web.Request) -> web.Response:
         items.append((who, fix))
     for _ in codes:
         pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
-    res = await pipeline.submit_fixes("http", items)
+    res = await pipeline.submit_fix_batch("http", items)
     valid_positions = [i for i in range(len(updates)) if i not in codes]
     for pos, code in zip(valid_positions, res.codes, strict=True):
         if code is not None:

@@ -344,7 +344,7 @@ class MqttDoor:
                 items.append((_item_user(item, user), {k: v for k, v in item.items() if k != "user"}))
             else:
                 items.append((user, item))
-        await self.pipeline.submit_fixes("mqtt", items)
+        await self.pipeline.submit_fix_batch("mqtt", items)
 
     async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
         request_id = obj.get("request_id")

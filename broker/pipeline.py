@@ -48,7 +48,7 @@ SNAPSHOT_ALGORITHMS = ("nn", "interval", "casper", "hilbert", "privacygrid")
 BATCH_ALGORITHMS = ("nn", "interval", "casper", "hilbert")
 BATCH_MIN = 16
 FIX_CHUNK = 500
-"""Most fixes of one batch validated in one event-loop turn (:meth:`Pipeline.submit_fixes`)."""
+"""Most fixes of one batch handled in one event-loop turn (:meth:`Pipeline.submit_fix_batch`)."""
 """Waiting queries from which the cloak worker uses the vectorized ``cloak_batch``."""
 
 
@@ -145,8 +145,6 @@ class Pipeline:
         self._dedup = DedupWindow(lim.dedup_window_s)
         self._pending_per_user: dict[str, int] = {}
         self._last_t: dict[str, float] = {}
-        self._fix_order = asyncio.Lock()  # submit_fixes: calls are validated in the order made
-        self._unstarted_chunks: set[asyncio.Task[FixResult]] = set()
         self._user_version: dict[str, int] = {}
         self._version = 0
         self._view: IndexView | None = None
@@ -219,34 +217,7 @@ class Pipeline:
 
     # -- fixes ---------------------------------------------------------------------------------
     async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
-
-        Calls are validated in the order they are made, whatever their sizes: a batch is handed over
-        :data:`FIX_CHUNK` fixes per event-loop turn (so queries and answers arriving meanwhile are
-        not held up behind thousands of fixes), and a later call waits until every chunk of the
-        earlier ones has been validated. The store has one writer (first in, first out), so fixes
-        are also committed and applied in that order, and a user's later fix is never judged
-        before an earlier one (``out_of_order``).
-        """
-        if len(items) <= FIX_CHUNK and not self._unstarted_chunks and not self._fix_order.locked():
-            return await self._submit_chunk(transport, items, source)  # nothing earlier is waiting
-        chunks: list[asyncio.Task[FixResult]] = []
-        async with self._fix_order:
-            for start in range(0, len(items), FIX_CHUNK):
-                if chunks:
-                    await asyncio.sleep(0)
-                task = asyncio.create_task(self._submit_chunk(transport, items[start : start + FIX_CHUNK], source))
-                self._unstarted_chunks.add(task)
-                task.add_done_callback(self._unstarted_chunks.discard)
-                chunks.append(task)
-        results = await asyncio.gather(*chunks)
-        return FixResult([code for r in results for code in r.codes])
-
-    async def _submit_chunk(self, transport: str, items: list[tuple[str, Any]], source: str) -> FixResult:
-        """Validate, store and apply up to :data:`FIX_CHUNK` fixes (validated in this first step)."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._unstarted_chunks.discard(task)
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``."""
         now = self.clock()
         cfg = self.config.cloaking
         result = FixResult([None] * len(items))
@@ -289,6 +260,21 @@ class Pipeline:
                     self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
         self.metrics.users_indexed.set(len(self.index))
         return result
+
+    async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
+        """:meth:`submit_fixes` for a batch of any size: handed over :data:`FIX_CHUNK` fixes per
+        event-loop turn, so that queries and answers arriving meanwhile are not held up behind
+        thousands of fixes. The chunks are validated, committed and applied in order (the store
+        has one writer, first in first out), so the outcome is that of one call."""
+        if len(items) <= FIX_CHUNK:
+            return await self.submit_fixes(transport, items)
+        chunks: list[asyncio.Task[FixResult]] = []
+        for start in range(0, len(items), FIX_CHUNK):
+            if chunks:
+                await asyncio.sleep(0)
+            chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
+        results = await asyncio.gather(*chunks)
+        return FixResult([code for r in results for code in r.codes])
 
     def _restore_last_t(self, previous: dict[str, float | None]) -> None:
         for user, t in previous.items():

