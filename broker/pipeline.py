@@ -145,6 +145,7 @@ class Pipeline:
         self._dedup = DedupWindow(lim.dedup_window_s)
         self._pending_per_user: dict[str, int] = {}
         self._last_t: dict[str, float] = {}
+        self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._user_version: dict[str, int] = {}
         self._version = 0
         self._view: IndexView | None = None
@@ -262,17 +263,18 @@ class Pipeline:
         return result
 
     async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
-        """:meth:`submit_fixes` for a batch of any size: handed over :data:`FIX_CHUNK` fixes per
-        event-loop turn, so that queries and answers arriving meanwhile are not held up behind
-        thousands of fixes. The chunks are validated, committed and applied in order (the store
-        has one writer, first in first out), so the outcome is that of one call."""
-        if len(items) <= FIX_CHUNK:
-            return await self.submit_fixes(transport, items)
+        """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes
+        per event-loop turn, so that queries and answers arriving meanwhile are not held up behind
+        thousands of fixes. Batches are validated in the order they arrive, every chunk of one
+        before any of the next (a later, smaller batch of the same users never overtakes the rest
+        of a large one), and committed and applied in that order (the store has one writer, first
+        in first out), so the outcome of a batch is that of one call."""
         chunks: list[asyncio.Task[FixResult]] = []
-        for start in range(0, len(items), FIX_CHUNK):
-            if chunks:
-                await asyncio.sleep(0)
-            chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
+        async with self._batch_order:  # first come, first served (asyncio's lock wakes waiters in order)
+            for start in range(0, len(items), FIX_CHUNK):
+                if chunks:
+                    await asyncio.sleep(0)
+                chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
         results = await asyncio.gather(*chunks)
         return FixResult([code for r in results for code in r.codes])
 

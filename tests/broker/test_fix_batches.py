@@ -68,3 +68,19 @@ async def test_other_work_runs_between_the_chunks(http_broker: Broker) -> None:
     await asyncio.gather(batch, probe())
     assert all(c is None for c in batch.result().codes)
     assert seen and 0 < seen[0] < n
+
+
+async def test_a_later_small_batch_never_overtakes_an_earlier_large_one(http_broker: Broker) -> None:
+    """A small batch sent right after a large one is validated after every chunk of it: the users'
+    newer fixes are accepted, never judged ``out_of_order`` against the older ones still queued."""
+    pipeline = http_broker.pipeline
+    assert pipeline is not None
+    now = time.time() - 30
+    users = [f"o{i}" for i in range(3 * FIX_CHUNK)]
+    large = [(u, {"t": now, "lat": 39.9, "lon": 116.4}) for u in users]
+    small = [(u, {"t": now + 1, "lat": 39.91, "lon": 116.41}) for u in users[-FIX_CHUNK // 2 :]]
+    results = await asyncio.gather(pipeline.submit_fix_batch("mqtt", large), pipeline.submit_fix_batch("http", small))
+    assert [[c for c in r.codes if c is not None] for r in results] == [[], []]
+    first, last = pipeline.index.fix(users[0]), pipeline.index.fix(users[-1])
+    assert first is not None and first[:2] == (39.9, 116.4)
+    assert last is not None and last[:2] == (39.91, 116.41)
