@@ -71,7 +71,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--mqtt-listen", metavar="HOST:PORT", help="embedded MQTT listen address (127.0.0.1:1883)")
     p.add_argument("--mqtt-password-file", metavar="FILE", help="service account password for an external broker")
-    p.add_argument("--mqtt-ingest-connections", type=int, metavar="N", help="MQTT intake connections (1)")
+    p.add_argument(
+        "--mqtt-ingest-connections",
+        type=int,
+        metavar="N",
+        help=(
+            "MQTT intake connections (1); more share one subscription on an external broker, which spreads "
+            "the load but no longer keeps one user's messages in order (a late fix is refused out_of_order)"
+        ),
+    )
     p.add_argument("--upstream", metavar="URL", help="upstream LBS base URL (http://127.0.0.1:8471)")
     p.add_argument("--upstream-timeout-s", type=float, metavar="S", help="per-attempt timeout (2.0)")
     p.add_argument("--upstream-retries", type=int, metavar="N", help="retries after the first attempt (2)")
