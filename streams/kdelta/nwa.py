@@ -215,6 +215,30 @@ def replay_runs(
     return steps, alive, clusters, trash
 
 
+def greedy_step(
+    pivot: int,
+    near: I64,
+    dist: F64,
+    max_radius: float,
+    steps: list[Step],
+    clusters: list[I64],
+    trash: list[int],
+) -> I64:
+    """Record one step of the greedy clustering (§7.3) and return the rows it removes: the pivot and
+    its k−1 nearest (``near``, ascending ``dist``) form a cluster when the farthest of them lies
+    within ``max_radius``; otherwise the pivot alone goes to the trash. Shared by NWA and W4M, and
+    the rule :func:`replay_runs` replays."""
+    d_last = float(dist[-1]) if len(dist) else 0.0
+    if d_last > max_radius:
+        trash.append(pivot)
+        removed = np.array([pivot], dtype=np.int64)
+    else:
+        removed = np.r_[pivot, near].astype(np.int64)
+        clusters.append(removed)
+    steps.append(Step(pivot, d_last, removed))
+    return removed
+
+
 class _Greedy:
     """NWA's greedy clustering on one class, able to replay the common prefix of an earlier run (§7.3).
 
@@ -248,15 +272,7 @@ class _Greedy:
             p = far(ref, z_ref, r_ref, nb.n_alive)
             near, dist = nb.knn(p, k - 1)
             ref, z_ref, r_ref = X[p], self.z[p], float(self.rnorm[p])
-            d_last = float(dist[-1]) if len(dist) else 0.0
-            if d_last > max_radius:
-                trash.append(p)
-                removed = np.array([p], dtype=np.int64)
-            else:
-                removed = np.r_[p, near].astype(np.int64)
-                clusters.append(removed)
-            steps.append(Step(p, d_last, removed))
-            nb.remove(removed)
+            nb.remove(greedy_step(p, near, dist, max_radius, steps, clusters, trash))
         self.runs.append((max_radius, steps))
         left = np.flatnonzero(nb.alive)
         if len(left):

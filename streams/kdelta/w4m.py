@@ -53,7 +53,7 @@ from scipy.spatial import cKDTree
 
 from cloaking.geometry import Aeqd
 from streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
-from streams.kdelta.nwa import DELTA_MARGIN_M, Step, replay_runs, space_translate
+from streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
 from streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
@@ -406,14 +406,7 @@ class _Greedy:
             p = int(live[int(np.argmax(((summary[live] - ref) ** 2).sum(axis=1)))])
             near, dist = sp.nearest(p, k - 1, alive)
             ref = summary[p]
-            d_last = float(dist[-1]) if len(dist) else 0.0
-            if d_last > max_radius:
-                trash.append(p)
-                removed = np.array([p], dtype=np.int64)
-            else:
-                removed = np.r_[p, near].astype(np.int64)
-                clusters.append(removed)
-            steps.append(Step(p, d_last, removed))
+            removed = greedy_step(p, near, dist, max_radius, steps, clusters, trash)
             alive[removed] = False
             n_alive -= len(removed)
         self.runs.append((max_radius, steps))
