@@ -305,7 +305,6 @@ def _mqtt_query_worker(
                 if mine in m.payload:
                     window.release()
 
-        ready = asyncio.Event()
         conn = IntakeConnection(
             host="127.0.0.1",
             port=port,
@@ -314,8 +313,7 @@ def _mqtt_query_worker(
             filters=["kcloak/v1/answer/+"],
             on_messages=on_answers,
         )
-        reader = asyncio.create_task(conn.run(ready.set))
-        await ready.wait()
+        reader = await conn.start()
         end = time.monotonic() + duration_s
         start = time.monotonic()
         i = 0

@@ -214,6 +214,19 @@ class IntakeConnection:
             raise MqttIntakeError("not connected")
         self._transport.write(encode_packet(PUBLISH, 0, encode_utf8(topic) + payload))
 
+    async def start(self) -> asyncio.Task[None]:
+        """:meth:`run` in a task, returned once subscribed; raises :class:`MqttIntakeError` (or what
+        :meth:`run` raised) if the connection ends before that, instead of waiting forever."""
+        ready = asyncio.Event()
+        task = asyncio.create_task(self.run(ready.set))
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            waiter.cancel()
+            await task  # raises why the connection ended
+            raise MqttIntakeError("connection closed before subscribing")
+        return task
+
     async def run(self, connected: Callable[[], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
         try:

@@ -69,7 +69,6 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
             held.append((m.topic.rsplit("/", 1)[1], qid))
 
     with mosquitto(tmp_path) as (port, _):
-        ready = asyncio.Event()
         conn = IntakeConnection(
             host="127.0.0.1",
             port=port,
@@ -78,8 +77,7 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
             filters=["kcloak/v1/query/+"],
             on_messages=on_queries,
         )
-        reader = asyncio.create_task(conn.run(ready.set))
-        await ready.wait()
+        reader = await conn.start()
 
         async def answer_in_bursts() -> None:
             while True:

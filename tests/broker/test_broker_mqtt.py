@@ -169,3 +169,14 @@ def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
     assert with_login == b"\x10\x13" + header + b"\xc2\x00\x1e" + b"\x00\x01c" + b"\x00\x01u" + b"\x00\x01p"
     with_will = encode_connect("c", username=None, password="ignored", keepalive_s=300, will=("w", b"xy"))
     assert with_will == b"\x10\x14" + header + b"\x2e\x01\x2c" + b"\x00\x01c" + b"\x00\x01w" + b"\x00\x02xy"
+
+
+async def test_intake_start_raises_instead_of_waiting_when_it_cannot_connect() -> None:
+    from broker.mqtt import free_port
+    from broker.mqtt_intake import IntakeConnection, MqttIntakeError
+
+    conn = IntakeConnection(
+        host="127.0.0.1", port=free_port(), username=None, password=None, filters=["x/+"], on_messages=lambda _: None
+    )
+    with pytest.raises(MqttIntakeError):
+        await asyncio.wait_for(conn.start(), timeout=10)
