@@ -255,12 +255,6 @@ class HttpPool:
         self._slots = asyncio.Semaphore(connections)
         self._closed = False
 
-    @classmethod
-    def for_url(cls, url: str, **kwargs: object) -> tuple[HttpPool, str]:
-        """A pool for the origin of ``url`` and the URL's path (no trailing slash); ValueError if not http(s)."""
-        origin = Origin.parse(url)
-        return cls(host=origin.host, port=origin.port, scheme=origin.scheme, **kwargs), origin.path  # type: ignore[arg-type]
-
     async def __aenter__(self) -> HttpPool:
         return self
 

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from broker import __version__
-from broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout
+from broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from broker.metrics import Metrics
 from broker.validation import parse_json_object
 
@@ -121,8 +121,12 @@ class UpstreamClient:
         headers = [("User-Agent", f"kcloak/{__version__}")]
         if self._token:
             headers.append(("Authorization", f"Bearer {self._token}"))
-        self._pool, self._path = HttpPool.for_url(
-            self.url,
+        origin = Origin.parse(self.url)
+        self._path = origin.path
+        self._pool = HttpPool(
+            host=origin.host,
+            port=origin.port,
+            scheme=origin.scheme,
             connections=self.concurrency,
             timeout_s=self.timeout_s,
             headers=headers,
