@@ -47,9 +47,9 @@ MAX_RANGE_RESULTS = 1000
 SNAPSHOT_ALGORITHMS = ("nn", "interval", "casper", "hilbert", "privacygrid")
 BATCH_ALGORITHMS = ("nn", "interval", "casper", "hilbert")
 BATCH_MIN = 16
+"""Waiting queries from which the cloak worker uses the vectorized ``cloak_batch``."""
 FIX_CHUNK = 500
 """Most fixes of one batch handled in one event-loop turn (:meth:`Pipeline.submit_fix_batch`)."""
-"""Waiting queries from which the cloak worker uses the vectorized ``cloak_batch``."""
 
 
 class Duplicate(Exception):
