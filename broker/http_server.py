@@ -200,7 +200,7 @@ async def post_location(request: web.Request) -> web.Response:
     except InvalidInput as exc:
         pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
         raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
-    res = await pipeline.submit_fixes("http", [(user, fix)])
+    res = await pipeline.enqueue_fixes("http", [(user, fix)])
     code = res.codes[0]
     if code is None:
         return web.Response(body=_ACCEPTED_ONE, content_type="application/json")
@@ -247,7 +247,7 @@ async def post_locations(request: web.Request) -> web.Response:
         items.append((who, fix))
     for _ in codes:
         pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
-    res = await pipeline.submit_fix_batch("http", items)
+    res = await pipeline.enqueue_fixes("http", items, batch=True)
     valid_positions = [i for i in range(len(updates)) if i not in codes]
     for pos, code in zip(valid_positions, res.codes, strict=True):
         if code is not None:

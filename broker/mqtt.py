@@ -320,12 +320,13 @@ class MqttDoor:
         if not items:
             return
         self._inflight += 1
-        task = asyncio.create_task(self._store_fixes(items))
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task = self.pipeline.enqueue_fixes("mqtt", items)
+        task.add_done_callback(self._fixes_done)
 
-    async def _store_fixes(self, items: list[tuple[str, Any]]) -> None:
-        await self.pipeline.submit_fixes("mqtt", items)
+    def _fixes_done(self, task: asyncio.Task[Any]) -> None:
+        self._inflight -= 1
+        if not task.cancelled() and task.exception() is not None:
+            log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(task.exception()).__name__)
 
     async def _on_updates(self, user: str, obj: dict[str, Any]) -> None:
         updates = obj.get("updates")
@@ -344,7 +345,7 @@ class MqttDoor:
                 items.append((_item_user(item, user), {k: v for k, v in item.items() if k != "user"}))
             else:
                 items.append((user, item))
-        await self.pipeline.submit_fix_batch("mqtt", items)
+        await self.pipeline.enqueue_fixes("mqtt", items, batch=True)
 
     async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
         request_id = obj.get("request_id")

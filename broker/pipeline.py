@@ -146,6 +146,8 @@ class Pipeline:
         self._pending_per_user: dict[str, int] = {}
         self._last_t: dict[str, float] = {}
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
+        self._fixes_in_flight: dict[str, set[asyncio.Task[FixResult]]] = {}
+        """Per user, the fix submissions received and not yet decided (:meth:`enqueue_fixes`)."""
         self._user_version: dict[str, int] = {}
         self._version = 0
         self._view: IndexView | None = None
@@ -277,6 +279,38 @@ class Pipeline:
                 chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
         results = await asyncio.gather(*chunks)
         return FixResult([code for r in results for code in r.codes])
+
+    def enqueue_fixes(
+        self, transport: str, items: list[tuple[str, Any]], *, batch: bool = False, source: str = "update"
+    ) -> asyncio.Task[FixResult]:
+        """Submit fixes as they are received, without waiting: :meth:`submit_fix_batch` when
+        ``batch``, else :meth:`submit_fixes`. The task resolves when every fix is decided (accepted,
+        i.e. committed and applied, or rejected). Until then a query of any of these users waits for
+        them (:meth:`_own_fixes_decided`), so a query sees every fix of its user that was received
+        before it, whatever the transport and whatever the size of the message that carried it."""
+        coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
+        task = asyncio.create_task(coro)
+        users = {user for user, _ in items}
+        for user in users:
+            self._fixes_in_flight.setdefault(user, set()).add(task)
+
+        def decided(done: asyncio.Task[FixResult]) -> None:
+            for user in users:
+                tasks = self._fixes_in_flight.get(user)
+                if tasks is not None:
+                    tasks.discard(done)
+                    if not tasks:
+                        del self._fixes_in_flight[user]
+
+        task.add_done_callback(decided)
+        return task
+
+    async def _own_fixes_decided(self, user: str) -> None:
+        """Wait until the fixes of ``user`` received before now are decided (later ones are not
+        waited for, so a steady stream of fixes never holds a query up)."""
+        tasks = self._fixes_in_flight.get(user)
+        if tasks:
+            await asyncio.wait(set(tasks))
 
     def _restore_last_t(self, previous: dict[str, float | None]) -> None:
         for user, t in previous.items():
@@ -592,7 +626,9 @@ class Pipeline:
 
     async def _admitted(self, transport: str, user: str, q: Query, timing: dict[str, float]) -> dict[str, Any]:
         """Route an admitted query: a session refresh or stop, a session start (holding one of the
-        user's session slots while it runs), or a one-shot query."""
+        user's session slots while it runs), or a one-shot query. Each first waits for the user's
+        fixes received before it (a phone's fix, then its query, on one connection)."""
+        await self._own_fixes_decided(user)
         if q.session_id is not None:
             return await self._session_query(transport, user, q, timing)
         if not q.continuous:
