@@ -137,7 +137,7 @@ class MqttDoor:
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_fixes: list[tuple[str, Any]] = []
-        self._flush_scheduled = False
+        self._pending_done: asyncio.Future[Any] | None = None
         self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
         if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
             log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
@@ -262,51 +262,73 @@ class MqttDoor:
     def _drop(self, topic: str, reason: str) -> None:
         self.metrics.messages_dropped.labels(transport="mqtt", topic=topic, reason=reason).inc()
 
-    def _dispatch_batch(self, messages: list[Incoming]) -> None:
-        for m in messages:
-            self._dispatch(m.topic, m.payload, m.retain)
+    def _dispatch_batch(self, messages: list[Incoming]) -> list[asyncio.Future[Any] | None]:
+        return [self.dispatch(m.topic, m.payload, m.retain) for m in messages]
 
-    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> None:
+    def dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
+        """Hand one received message to the pipeline, in arrival order.
+
+        Returns None when the message may be acknowledged at once (dropped and counted, or a query,
+        which is admitted here and answered later), or a future that is done once the message is
+        durable: a fix committed to the movement store (or rejected), a batch decided, a profile
+        stored. An MQTT door acknowledges a message only then, so a PUBACK promises that the fix
+        survives ``kill -9``. Never raises: one bad message never ends a connection.
+        """
+        try:
+            return self._dispatch(topic, payload, retain)
+        except Exception as exc:
+            log_event(log, "mqtt_dispatch_failed", logging.ERROR, error=type(exc).__name__)
+            return None
+
+    def dropped(self, topic: str, reason: str) -> None:
+        """Count a message on ``topic`` that the transport dropped before it could be read whole
+        (``too_large``, ``retained``)."""
+        parts = topic.split("/")
+        if len(parts) == 4 and parts[0] == "kcloak" and parts[1] == "v1" and parts[2] in TOPICS:
+            self.metrics.messages.labels(transport="mqtt", topic=parts[2]).inc()
+            self._drop(parts[2], reason)
+
+    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
         parts = topic.split("/")
         if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in TOPICS:
-            return
+            return None
         kind, user = parts[2], parts[3]
         self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
         if retain:
             self._drop(kind, "retained")
-            return
+            return None
         if not valid_user_id(user):
             self._drop(kind, "invalid")
-            return
+            return None
         limit = self.config.limits.batch_bytes if kind == "updates" else self.config.limits.body_bytes
         if len(payload) > limit:
             self._drop(kind, "too_large")
-            return
+            return None
         if self._inflight >= self.config.queues.ingest:
             self._drop(kind, "overloaded")
-            return
+            return None
         try:
             obj = parse_json_object(payload)
         except MalformedJson:
             self._drop(kind, "malformed_json")
-            return
+            return None
         if kind == "update":
             # Single fixes are gathered over one loop iteration and stored in one write (they keep
             # their arrival order, so per-user ordering rules apply as if handled one by one).
             self._pending_fixes.append((user, obj))
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
+            if self._pending_done is None:
+                self._pending_done = asyncio.get_running_loop().create_future()
                 asyncio.get_running_loop().call_soon(self._flush_fixes)
-            return
-        handler = {
-            "updates": self._on_updates,
-            "profile": self._on_profile,
-            "query": self._on_query,
-        }[kind]
+            return self._pending_done
+        if kind == "query":
+            self._on_query(user, obj)
+            return None
+        handler = self._on_updates if kind == "updates" else self._on_profile
         self._inflight += 1
         task = asyncio.create_task(handler(user, obj))
         self._tasks.add(task)
         task.add_done_callback(self._done)
+        return task
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -315,18 +337,20 @@ class MqttDoor:
             log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(task.exception()).__name__)
 
     def _flush_fixes(self) -> None:
-        self._flush_scheduled = False
         items, self._pending_fixes = self._pending_fixes, []
-        if not items:
-            return
+        done, self._pending_done = self._pending_done, None
+        assert done is not None
         self._inflight += 1
         task = self.pipeline.enqueue_fixes("mqtt", items)
-        task.add_done_callback(self._fixes_done)
 
-    def _fixes_done(self, task: asyncio.Task[Any]) -> None:
-        self._inflight -= 1
-        if not task.cancelled() and task.exception() is not None:
-            log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(task.exception()).__name__)
+        def decided(t: asyncio.Task[Any]) -> None:
+            self._inflight -= 1
+            if not t.cancelled() and t.exception() is not None:
+                log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(t.exception()).__name__)
+            if not done.done():
+                done.set_result(None)
+
+        task.add_done_callback(decided)
 
     async def _on_updates(self, user: str, obj: dict[str, Any]) -> None:
         updates = obj.get("updates")
@@ -370,7 +394,8 @@ class MqttDoor:
         status["t"] = time.time()
         await self.publish(f"{ROOT}status/{user}", status)
 
-    async def _on_query(self, user: str, obj: dict[str, Any]) -> None:
+    def _on_query(self, user: str, obj: dict[str, Any]) -> None:
+        """Admit a query (its id and duplicates) at once, then run it to its one answer."""
         try:
             qid = self.pipeline.admit(user, obj)
         except QueryRejected:
@@ -379,6 +404,12 @@ class MqttDoor:
         except Duplicate:
             self._drop("query", "duplicate")
             return
+        self._inflight += 1
+        task = asyncio.create_task(self._answer(user, qid, obj))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _answer(self, user: str, qid: str, obj: dict[str, Any]) -> None:
         outcome = await self.pipeline.query("mqtt", user, qid, obj)
         await self.publish(f"{ROOT}answer/{user}", outcome.answer)
 

@@ -122,7 +122,7 @@ def split_frames(buf: bytearray, max_packet: int = MAX_REMAINING_LENGTH) -> tupl
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, on_message: Callable[[list[Incoming]], None], max_packet: int) -> None:
+    def __init__(self, on_message: Callable[[list[Incoming]], object], max_packet: int) -> None:
         self.on_message = on_message
         self.max_packet = max_packet
         self.buf = bytearray()
@@ -194,7 +194,7 @@ class IntakeConnection:
         username: str | None,
         password: str | None,
         filters: list[str],
-        on_messages: Callable[[list[Incoming]], None],
+        on_messages: Callable[[list[Incoming]], object],
         keepalive_s: int = 30,
         max_packet: int = 2 * 1024 * 1024,
     ) -> None:
