@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import queue
-import shutil
 import subprocess
 import time
 
 import paho.mqtt.client as paho
-import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.conformance.conftest import Servers, http_json
@@ -66,7 +64,6 @@ def test_fix_then_query_on_one_paho_connection(servers: Servers) -> None:
     assert reasons.count("ok") == len(users), reasons
 
 
-@pytest.mark.skipif(shutil.which("mosquitto_pub") is None, reason="needs mosquitto_pub (mosquitto-clients)")
 def test_fix_then_query_with_mosquitto_pub_back_to_back(servers: Servers) -> None:
     served = servers.serve(upstream=servers.lbs())
     _crowd(served.url(""))

@@ -22,7 +22,7 @@ from streams.readers import (
     read_fixes,
 )
 
-SHARED_AIS = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "public" / "ais_nyharbor.csv.gz"
+REAL_AIS = Path(__file__).resolve().parents[1] / "data" / "ais_nyharbor.csv.gz"
 
 
 def write(path: Path, text: str, *, newline: str = "\n") -> Path:
@@ -198,9 +198,8 @@ def test_parse_iso8601_offsets() -> None:
         parse_iso8601("yesterday")
 
 
-@pytest.mark.skipif(not SHARED_AIS.exists(), reason="shared AIS sample not available")
 def test_real_ais_sample() -> None:
-    fx = read_fixes(SHARED_AIS)
+    fx = read_fixes(REAL_AIS)
     # 8,689 rows, 295 vessels; two vessels repeat their last timestamp (00:59:59).
     assert len(fx) == 8687
     assert fx.bad_rows == 2
