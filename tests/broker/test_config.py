@@ -13,11 +13,18 @@ from broker.config import Config, ConfigError, is_loopback, parse_listen
 CONTRACT = Path(__file__).resolve().parents[3] / "shared" / "CONTRACT.md"
 
 
+# Keys kcloak adds to the contract's configuration (docs/contract-extensions.md).
+EXTENSION_KEYS = ("head_timeout_s", "body_timeout_s")
+
+
 def test_printed_defaults_are_the_contract_block() -> None:
     text = CONTRACT.read_text(encoding="utf-8")
     block = re.search(r"```toml\n(\[server\].*?)```", text, re.S)
     assert block is not None
-    assert Config().to_toml() == block.group(1)
+    printed = Config().to_toml().splitlines(keepends=True)
+    extensions = [ln for ln in printed if ln.split(" = ")[0] in EXTENSION_KEYS]
+    assert len(extensions) == len(EXTENSION_KEYS) and all("# extension:" in ln for ln in extensions)
+    assert "".join(ln for ln in printed if ln not in extensions) == block.group(1)
 
 
 def test_printed_config_round_trips() -> None:
@@ -43,6 +50,8 @@ def test_toml_overrides_and_flags_win() -> None:
         ("[profile]\nk = 0\n", "profile.k"),
         ('[cloaking]\nalgorithm = "magic"\n', "cloaking.algorithm"),
         ('[http]\nlisten = "nowhere"\n', "http.listen"),
+        ("[http]\nhead_timeout_s = 0\n", "http.head_timeout_s: must be > 0"),
+        ("[http]\nbody_timeout_s = -1.0\n", "http.body_timeout_s: must be > 0"),
         ("[storage]\nretention_s = 10.0\n", "storage.retention_s"),
         ("[profile]\nmin_area_m2 = 5e6\n", "min_area_m2"),
         ("not toml [", "not valid TOML"),
