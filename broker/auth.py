@@ -2,7 +2,8 @@
 
 Only SHA-256 digests are kept in memory; comparisons use :func:`hmac.compare_digest`. A token
 acts for its own user only. Lines: ``user_id:token`` or ``user_id:sha256:<64 lowercase hex>``;
-blank lines and ``#`` comments are ignored; a user may have several lines (rotation).
+blank lines and ``#`` comments are ignored; a user may have several lines (rotation). A token
+listed for two users (in either form) is refused: HTTP would act as one of them, MQTT as both.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 
 from broker.validation import valid_user_id
 
-TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{1,256}$")
-HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{1,256}\Z")  # \Z: "$" would let a final newline in
+HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 class TokensFileError(ValueError):
@@ -45,8 +46,10 @@ class TokenStore:
     def from_lines(cls, lines: list[TokenLine]) -> TokenStore:
         store = cls()
         for line in lines:
+            owner = store._by_digest.setdefault(line.digest, line.user)
+            if owner != line.user:
+                raise TokensFileError("tokens: the same token is listed for two users")
             store._by_user.setdefault(line.user, []).append(line.digest)
-            store._by_digest[line.digest] = line.user
         return store
 
     @classmethod
@@ -83,8 +86,17 @@ class TokenStore:
 
 
 def parse_tokens(text: str) -> list[TokenLine]:
-    """Parse tokens-file text; raises :class:`TokensFileError` naming the first bad line."""
+    """Parse tokens-file text; raises :class:`TokensFileError` naming the first bad line, or the
+    two lines that give one token (plain or ``sha256:``) to different users."""
     out: list[TokenLine] = []
+    owners: dict[bytes, tuple[str, int]] = {}
+
+    def add(line: TokenLine, number: int) -> None:
+        user, first = owners.setdefault(line.digest, (line.user, number))
+        if user != line.user:
+            raise TokensFileError(f"tokens file: lines {first} and {number}: the same token is listed for two users")
+        out.append(line)
+
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -96,11 +108,11 @@ def parse_tokens(text: str) -> list[TokenLine]:
             hexpart = rest[len("sha256:") :]
             if not HEX64_RE.match(hexpart):
                 raise TokensFileError(f"tokens file: line {number}: sha256 needs 64 lowercase hex digits")
-            out.append(TokenLine(user, bytes.fromhex(hexpart), None))
+            add(TokenLine(user, bytes.fromhex(hexpart), None), number)
             continue
         if not TOKEN_RE.match(rest):
             raise TokensFileError(f"tokens file: line {number}: token must be 1-256 chars of [A-Za-z0-9._~+/=-]")
-        out.append(TokenLine(user, token_digest(rest), rest))
+        add(TokenLine(user, token_digest(rest), rest), number)
     return out
 
 

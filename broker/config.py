@@ -44,6 +44,11 @@ class ServerConfig:
 @dataclass(frozen=True, slots=True)
 class HttpConfig:
     listen: str = _c("127.0.0.1:8470")
+    # Extensions (docs/contract-extensions.md): a connection that has not sent a complete request
+    # head within head_timeout_s (idle keep-alive included) is closed; so is one whose body has not
+    # arrived within body_timeout_s.
+    head_timeout_s: float = _c(10.0, "extension: close without a complete request head")
+    body_timeout_s: float = _c(30.0, "extension: close without a complete body")
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +242,7 @@ class Config:
             self.profile.to_profile()
         except ProfileError as exc:
             raise ConfigError(f"profile.{exc}") from None
-        for section in ("server", "upstream", "cloaking", "sessions", "limits", "queues", "storage", "publish"):
+        for section in ("server", "http", "upstream", "cloaking", "sessions", "limits", "queues", "storage", "publish"):
             obj = getattr(self, section)
             for f in dataclasses.fields(obj):
                 v = getattr(obj, f.name)

@@ -1,28 +1,46 @@
 """The HTTP door (contract §4): small aiohttp handlers that parse, authenticate and call the
 pipeline — the same pipeline the MQTT door calls.
 
-Every 4xx/5xx leaves as the contract's error body (a middleware also rewrites aiohttp's own
-404/405/413); access is counted per route *template*, never per concrete path.
+Every 4xx/5xx leaves as the contract's error body: a middleware rewrites aiohttp's own
+404/405/413 and any exception of a handler, and :class:`HttpServer`'s connection handler answers
+requests that do not even parse (over-long lines, bad framing) the same way, without quoting
+them back or logging them. Access is counted per route *template*, never per concrete path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from broker import __version__
 from broker.auth import TokenStore
 from broker.config import Config
+from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from broker.publication import WindowPublisher
-from broker.validation import InvalidInput, MalformedJson, parse_fix, parse_json_object, valid_user_id
+from broker.stores import StoreError
+from broker.validation import (
+    USER_ID_RULE,
+    InvalidInput,
+    MalformedJson,
+    ascii_int,
+    parse_fix,
+    parse_json_object,
+    valid_user_id,
+)
 from cloaking.profile import ProfileError, ReasonCode
+
+log = logging.getLogger("kcloak.http")
 
 PIPELINE = web.AppKey("pipeline", Pipeline)
 CONFIG = web.AppKey("config", Config)
@@ -31,6 +49,7 @@ TOKENS = web.AppKey("tokens", TokenStore)
 STATE = web.AppKey("state", dict)
 PUBLICATION = web.AppKey("publication", WindowPublisher)
 AUTH_USER = web.RequestKey("auth_user", str)
+ABANDON = web.RequestKey("abandon", bool)  # the body will never come: close once answered
 
 _STATUS: dict[ReasonCode, int] = {
     ReasonCode.INVALID: 400,
@@ -58,13 +77,22 @@ _OPEN_ROUTES = {"/v1/openapi.json", "/v1/info", "/healthz", "/metrics"}
 
 
 class HttpError(Exception):
+    """An error answer; ``close`` also ends the connection (the request was not read to its end)."""
+
     def __init__(
-        self, code: ReasonCode, message: str, *, field: str | None = None, query_id: str | None = None
+        self,
+        code: ReasonCode,
+        message: str,
+        *,
+        field: str | None = None,
+        query_id: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.field = field
         self.query_id = query_id
+        self.close = close
 
 
 def error_response(
@@ -90,6 +118,20 @@ _AIOHTTP_CODES = {
 }
 
 
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+
+
+def _method_label(method: str) -> str:
+    """The ``method`` metric label: a fixed set, whatever method a client made up."""
+    return method if method in _METHODS else "other"
+
+
+def _frames(exc: BaseException) -> list[str]:
+    """Where an exception was raised, as ``file:line function`` frames: no message, no source
+    line, no locals (any of them could hold a submitted value)."""
+    return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-12:]]
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -103,6 +145,9 @@ async def error_middleware(
         return resp
     except HttpError as exc:
         resp = error_response(exc.code, str(exc), field=exc.field, query_id=exc.query_id)
+        if exc.close:
+            resp.force_close()
+            request[ABANDON] = True
         status = resp.status
         return resp
     except web.HTTPException as exc:
@@ -112,8 +157,19 @@ async def error_middleware(
         resp = error_response(code, message)
         status = resp.status
         return resp
+    except StoreError:
+        # A store that cannot write (disk full, I/O error) is a condition that passes: 503
+        # overloaded, as a fix the movement store cannot take is refused overloaded.
+        resp = error_response(ReasonCode.OVERLOADED, "storage is failing; retry later")
+        status = resp.status
+        return resp
+    except Exception as exc:  # a bug: the contract's 500, never aiohttp's plain text
+        log_event(log, "http_handler_failed", logging.ERROR, route=route, error=type(exc).__name__, stack=_frames(exc))
+        resp = error_response(ReasonCode.INTERNAL, "internal error")
+        status = resp.status
+        return resp
     finally:
-        metrics.http_requests.labels(route=route, method=request.method, status=str(status)).inc()
+        metrics.http_requests.labels(route=route, method=_method_label(request.method), status=str(status)).inc()
 
 
 def _route_template(request: web.Request) -> str:
@@ -155,9 +211,20 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
     if request.content_length is not None and request.content_length > limit:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+    timeout_s = request.app[CONFIG].http.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await _read_body(request, limit)
+    except TimeoutError:
+        raise HttpError(ReasonCode.INVALID, f"body: not received within {timeout_s:g} s", close=True) from None
+    except (ConnectionError, web.RequestPayloadError, HttpProcessingError):
+        raise HttpError(ReasonCode.INVALID, "body: incomplete or badly framed", close=True) from None
+    return _parse_body(raw)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None:
-        raw = await request.read()
-        return _parse_body(raw)
+        return await request.read()
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -166,9 +233,9 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
             break
         size += len(chunk)
         if size > limit:
-            raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
+            raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes", close=True)
         chunks.append(chunk)
-    return _parse_body(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
@@ -181,7 +248,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
 def _user(request: web.Request) -> str:
     user = request.match_info["user"]
     if not valid_user_id(user):
-        raise HttpError(ReasonCode.INVALID, "user: must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", field="user")
+        raise HttpError(ReasonCode.INVALID, USER_ID_RULE, field="user")
     return user
 
 
@@ -281,6 +348,9 @@ async def put_profile(request: web.Request) -> web.Response:
     except ProfileError as exc:
         pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="invalid").inc()
         raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
+    except StoreError:
+        pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="overloaded").inc()
+        raise HttpError(ReasonCode.OVERLOADED, "the profile store cannot write; retry later") from None
     pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
     return web.json_response(_profile_body(pipeline, user))
 
@@ -288,7 +358,11 @@ async def put_profile(request: web.Request) -> web.Response:
 async def delete_profile(request: web.Request) -> web.Response:
     user = _user(request)
     pipeline = request.app[PIPELINE]
-    await pipeline.set_profile(user, None)
+    try:
+        await pipeline.set_profile(user, None)
+    except StoreError:
+        pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="overloaded").inc()
+        raise HttpError(ReasonCode.OVERLOADED, "the profile store cannot write; retry later") from None
     pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
     return web.Response(status=204)
 
@@ -365,10 +439,12 @@ async def list_windows(request: web.Request) -> web.Response:
     values = {"since": 0, "limit": 100}
     for name, lo, hi in (("since", 0, 2**62), ("limit", 1, 1000)):
         raw = request.query.get(name)
-        if raw is not None and (not raw.isdigit() or not lo <= int(raw) <= hi):
+        if raw is None:
+            continue
+        value = ascii_int(raw)  # plain ASCII digits: int() alone takes "٣", "1_000", " 5"
+        if value is None or not lo <= value <= hi:
             raise HttpError(ReasonCode.INVALID, f"{name}: must be an integer within [{lo}, {hi}]", field=name)
-        if raw is not None:
-            values[name] = int(raw)
+        values[name] = value
     publication = request.app.get(PUBLICATION)
     if publication is None:
         return web.json_response({"windows": [], "next_since": None})
@@ -424,17 +500,20 @@ async def healthz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     pipeline = request.app[PIPELINE]
     upstream = pipeline.upstream.healthy
-    body = {
+    stores = {health.store: health.healthy for health in state.get("stores", ())}
+    body: dict[str, Any] = {
         "status": "ok",
         "version": __version__,
         "uptime_s": round(time.monotonic() - state["started"], 3),
         "mqtt": state.get("mqtt", "none"),
         "upstream": "unknown" if upstream is None else ("ok" if upstream else "failing"),
+        "stores": {name: "ok" if healthy else "failing" for name, healthy in stores.items()},
     }
     if pipeline.closing:
         body["status"] = "draining"
         return web.json_response(body, status=503)
-    if state.get("mqtt") == "disconnected" and time.monotonic() - state.get("mqtt_down_since", 0) > 10:
+    mqtt_down = state.get("mqtt") == "disconnected" and time.monotonic() - state.get("mqtt_down_since", 0) > 10
+    if mqtt_down or not all(stores.values()):  # a store that cannot write: degraded until one write succeeds
         body["status"] = "degraded"
         return web.json_response(body, status=503)
     return web.json_response(body)
@@ -482,3 +561,112 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     r.add_get("/healthz", healthz, allow_head=False)
     r.add_get("/metrics", metrics, allow_head=False)
     return app
+
+
+# -- the listener ------------------------------------------------------------------------------
+def _protocol_error(exc: BaseException | None) -> tuple[ReasonCode, str]:
+    """The contract error for a request aiohttp could not parse, with a generic message."""
+    if isinstance(exc, LineTooLong):
+        return ReasonCode.TOO_LARGE, "request line or header field too long"
+    return ReasonCode.INVALID, "malformed HTTP request"
+
+
+class _ConnectionHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering what it cannot parse with the contract's error body.
+
+    aiohttp's own ``handle_error`` logs the parser's message with its stack and sends it back as
+    plain text; that message quotes the offending bytes (a path with a user id, a bearer token).
+    Here the answer is generic and the log names only the error class.
+    """
+
+    __slots__ = ("_metrics",)
+
+    def __init__(self, manager: web.Server, *, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._metrics = metrics
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        error = type(exc).__name__ if exc is not None else "none"
+        if status < 500:  # the request did not parse (aiohttp gives 400)
+            code, text = _protocol_error(exc)
+            log_event(log, "http_request_malformed", logging.DEBUG, code=code.value, error=error)
+        else:  # a handler failed outside the middleware (or timed out)
+            code, text = ReasonCode.INTERNAL, "internal error"
+            stack = _frames(exc) if exc is not None else []
+            log_event(log, "http_handler_failed", logging.ERROR, error=error, stack=stack)
+        resp = error_response(code, text)
+        self._metrics.http_requests.labels(route="unmatched", method="other", status=str(resp.status)).inc()
+        if request.writer.output_size > 0:  # as aiohttp: a response already started cannot be replaced
+            raise ConnectionError("response already started")
+        resp.force_close()
+        return resp
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        result = await super().finish_response(request, resp, start_time)
+        if request.get(ABANDON):
+            # aiohttp would linger up to 10 s reading the rest of the body, which a stalled
+            # client never sends: close now that the answer is written.
+            self.force_close()
+        return result
+
+
+class HttpServer:
+    """The HTTP listener of ``app`` on ``host:port``, an async context manager.
+
+    Keyword arguments: ``host``, ``port`` (0 picks a free one, see :attr:`port`),
+    ``head_timeout_s`` (a connection without a complete request head for that long, idle
+    keep-alive included, is closed) and ``metrics``. Entering listens; leaving stops listening,
+    lets requests in flight finish briefly, and closes every connection.
+    """
+
+    def __init__(self, app: web.Application, *, host: str, port: int, head_timeout_s: float, metrics: Metrics) -> None:
+        self._app = app
+        self._host = host
+        self._port = port
+        self._head_timeout_s = head_timeout_s
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.port = port
+
+    async def __aenter__(self) -> HttpServer:
+        runner = web.AppRunner(self._app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        manager = runner.server
+        assert manager is not None
+        loop = asyncio.get_running_loop()
+
+        def connection() -> web.RequestHandler:
+            # aiohttp's keep-alive timer runs from the connection's start (and from each response)
+            # and closes the connection if no complete request head has arrived by then.
+            return _ConnectionHandler(
+                manager, loop=loop, metrics=self._metrics, keepalive_timeout=self._head_timeout_s, access_log=None
+            )
+
+        try:
+            self._listener = await loop.create_server(connection, self._host, self._port, reuse_address=True)
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        sockets = self._listener.sockets
+        self.port = int(sockets[0].getsockname()[1]) if sockets else self._port
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

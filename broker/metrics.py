@@ -47,6 +47,7 @@ AREA_BUCKETS = (1e3, 1e4, 5e4, 1e5, 2.5e5, 5e5, 1e6, 2e6, 4e6, 1e7, 1e8, 1e9, 2.
 RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 CANDIDATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 QUEUES = ("ingest", "cloak", "hold", "upstream", "store")
+STORES = ("movement", "profiles", "querylog")
 
 
 class Metrics:
@@ -112,6 +113,25 @@ class Metrics:
         self.trashed_trajectories = Counter("kcloak_trashed_trajectories", "Trajectories trashed", registry=r)
         self.mqtt_connected = Gauge("kcloak_mqtt_connected", "1 while the MQTT session is up", registry=r)
         self.http_requests = Counter("kcloak_http_requests", "HTTP requests", ["route", "method", "status"], registry=r)
+        # Extensions (docs/contract-extensions.md): whether each store can write.
+        self.store_healthy = Gauge(
+            "kcloak_store_healthy",
+            "1 unless the store's latest write failed (disk full, I/O error)",
+            ["store"],
+            registry=r,
+        )
+        self.store_write_failures = Counter(
+            "kcloak_store_write_failures", "Store writes that failed for a storage reason", ["store"], registry=r
+        )
+        for store in STORES:
+            self.store_healthy.labels(store=store).set(1)
+            self.store_write_failures.labels(store=store)
+
+    def store_write(self, store: str, ok: bool) -> None:
+        """Record a store write outcome (the ``listener`` of :class:`broker.stores.WriteHealth`)."""
+        self.store_healthy.labels(store=store).set(1 if ok else 0)
+        if not ok:
+            self.store_write_failures.labels(store=store).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -75,7 +75,7 @@ PI_S_MAX = 60.0
 PROCESS_MIN_ROWS = 20_000
 """Windows with at least this many fixes are anonymized in the worker process (a second or more of work)."""
 
-WINDOW_ID = re.compile(r"^([0-9]{1,15})-([0-9]{1,15})$")
+WINDOW_ID = re.compile(r"^([0-9]{1,15})-([0-9]{1,15})\Z")
 
 Send = Callable[[str, bytes], Awaitable[None]]
 """Publish one message at QoS 1 and return once it is acknowledged (raise otherwise)."""

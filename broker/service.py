@@ -17,15 +17,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from broker import __version__
 from broker.auth import TokenStore
 from broker.config import Config, parse_listen
 from broker.logs import log_event
 from broker.metrics import Metrics
 from broker.pipeline import Pipeline
-from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog
+from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
 from broker.upstream import UpstreamClient
 from cloaking.places import PlacesLayer, load_pois
 
@@ -61,7 +59,6 @@ class Broker:
         self.publication: WindowPublisher | None = None
         self.http_port: int | None = None
         self.mqtt_port: int | None = None
-        self._runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
 
     async def __aenter__(self) -> Broker:
@@ -79,16 +76,23 @@ class Broker:
             self._stack.enter_context(data)
         except Exception as exc:
             raise StartupError(str(exc)) from None
-        profiles = ProfileStore(data.file("profiles.sqlite3"))
+        health = {name: WriteHealth(name, self.metrics.store_write) for name in ("movement", "profiles", "querylog")}
+        self.state["stores"] = list(health.values())  # /healthz: degraded while a store cannot write
+        profiles = ProfileStore(data.file("profiles.sqlite3"), health=health["profiles"])
         self._stack.callback(profiles.close)
         store_hist = self.metrics.store_commit
         movement = MovementStore(
             data.file("movement.sqlite3"),
             capacity=cfg.queues.store,
             on_commit=store_hist.labels(store="movement").observe,
+            health=health["movement"],
         )
         self._stack.push_async_callback(asyncio.to_thread, movement.close)
-        querylog = QueryLog(data.file("querylog.sqlite3"), on_commit=store_hist.labels(store="querylog").observe)
+        querylog = QueryLog(
+            data.file("querylog.sqlite3"),
+            on_commit=store_hist.labels(store="querylog").observe,
+            health=health["querylog"],
+        )
         self._stack.push_async_callback(asyncio.to_thread, querylog.close)
         token = None
         if cfg.upstream.token_file:
@@ -139,7 +143,7 @@ class Broker:
         )
 
     async def _start_http(self) -> None:
-        from broker.http_server import build_app
+        from broker.http_server import HttpServer, build_app
 
         assert self.pipeline is not None
         host, port = parse_listen(self.config.http.listen)
@@ -148,19 +152,14 @@ class Broker:
             from broker.http_server import PUBLICATION
 
             app[PUBLICATION] = self.publication
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        server = HttpServer(
+            app, host=host, port=port, head_timeout_s=self.config.http.head_timeout_s, metrics=self.metrics
+        )
         try:
-            await site.start()
+            await self._stack.enter_async_context(server)
         except OSError as exc:
-            await runner.cleanup()
             raise StartupError(f"HTTP: cannot listen on {host}:{port} ({exc.strerror})") from None
-        self._runner = runner
-        self._stack.push_async_callback(runner.cleanup)
-        server = getattr(site, "_server", None)
-        sockets = getattr(server, "sockets", None) or []
-        self.http_port = sockets[0].getsockname()[1] if sockets else port
+        self.http_port = server.port
 
     def _start_publication(self, data_dir: Path, movement: MovementStore) -> None:
         """Live trajectory windows (contract §7); the HTTP routes read them even when publication is off."""

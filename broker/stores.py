@@ -16,7 +16,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -51,6 +51,36 @@ class StoreError(RuntimeError):
     """A store that cannot be opened or written (data directory locked, disk error, …)."""
 
 
+def storage_failure(exc: BaseException) -> bool:
+    """True if ``exc`` says the database cannot be written (disk full, I/O error, read-only,
+    locked, corrupt), as opposed to a bad row, which fails one write and says nothing about the
+    store."""
+    return isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError
+
+
+class WriteHealth:
+    """Whether a store can write: failing after a write fails for a storage reason, healthy again
+    once a write commits. ``listener(store, ok)`` hears every failure and every recovery
+    (metrics); ``/healthz`` reads :attr:`healthy`. Written from writer threads: plain values."""
+
+    __slots__ = ("_listener", "failures", "healthy", "store")
+
+    def __init__(self, store: str, listener: Callable[[str, bool], None] | None = None) -> None:
+        self.store = store
+        self.healthy = True
+        self.failures = 0
+        self._listener = listener
+
+    def record(self, ok: bool) -> None:
+        if ok and self.healthy:
+            return  # the usual case, on every commit: nothing changes
+        if not ok:
+            self.failures += 1
+        self.healthy = ok
+        if self._listener is not None:
+            self._listener(self.store, ok)
+
+
 def open_db(path: Path, schema: str) -> sqlite3.Connection:
     """Open (creating if needed) a WAL-mode SQLite database with the contract's version."""
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -67,32 +97,48 @@ def open_db(path: Path, schema: str) -> sqlite3.Connection:
 
 
 class DataDir:
-    """The data directory: created with mode 0700 and locked for one ``kcloak serve`` (§11)."""
+    """The data directory: created with mode 0700 and locked for one ``kcloak serve`` (§11).
+
+    The lock that counts is a ``flock`` on the directory itself, which cannot be deleted or
+    replaced under a running broker (``kcloak.lock`` can: a second broker would then create a
+    new file, lock it and run beside the first). ``kcloak.lock`` is still created and locked,
+    as the contract names it.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._lock_fd: int | None = None
+        self._lock_fds: list[int] = []
 
     def __enter__(self) -> DataDir:
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.path, 0o700)
-            fd = os.open(self.path / "kcloak.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._lock(os.open(self.path, os.O_RDONLY | os.O_DIRECTORY))
+            self._lock(os.open(self.path / "kcloak.lock", os.O_RDWR | os.O_CREAT, 0o600))
+        except StoreError:
+            self._release()
+            raise
         except OSError as exc:
+            self._release()
             raise StoreError(f"data directory: cannot create or open {self.path}") from exc
+        return self
+
+    def _lock(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise StoreError(f"data directory {self.path} is locked by another kcloak serve") from None
-        self._lock_fd = fd
-        return self
+        self._lock_fds.append(fd)
+
+    def _release(self) -> None:
+        while self._lock_fds:
+            fd = self._lock_fds.pop()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def __exit__(self, *exc: object) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._release()
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -105,11 +151,13 @@ class StoredProfile:
 
 
 class ProfileStore:
-    """``profiles.sqlite3``: at most one stored profile per user. Small synchronous writes."""
+    """``profiles.sqlite3``: at most one stored profile per user. Small synchronous writes; a
+    write that fails raises :class:`StoreError` and is reported to ``health``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, health: WriteHealth | None = None) -> None:
         self._conn = open_db(path, PROFILES_SQL)
         self._lock = threading.Lock()
+        self.health = health if health is not None else WriteHealth("profiles")
 
     def close(self) -> None:
         with self._lock:
@@ -126,15 +174,23 @@ class ProfileStore:
         return StoredProfile(PrivacyProfile(int(row[0]), int(row[1]), row[2], row[3], row[4]), row[5])
 
     def put(self, user: str, profile: PrivacyProfile, t: float) -> None:
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (user, profile.k, profile.l, profile.min_area_m2, profile.max_area_m2, profile.max_delay_s, t),
-            )
+        self._write(
+            "INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (user, profile.k, profile.l, profile.min_area_m2, profile.max_area_m2, profile.max_delay_s, t),
+        )
 
     def delete(self, user: str) -> None:
+        self._write("DELETE FROM profiles WHERE user_id = ?", (user,))
+
+    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
         with self._lock:
-            self._conn.execute("DELETE FROM profiles WHERE user_id = ?", (user,))
+            try:
+                self._conn.execute(sql, params)
+            except sqlite3.Error as exc:
+                if storage_failure(exc):
+                    self.health.record(False)
+                raise StoreError(f"profiles: write failed ({type(exc).__name__})") from exc
+        self.health.record(True)
 
     def all(self) -> list[tuple[str, StoredProfile]]:
         with self._lock:
@@ -180,8 +236,10 @@ class GroupCommitWriter:
         on_commit: Any = None,
         name: str = "store",
         linger_s: float = 0.002,
+        health: WriteHealth | None = None,
     ) -> None:
         self._conn = conn
+        self.health = health if health is not None else WriteHealth(name)
         self._linger_s = linger_s
         self._sql = insert_sql
         self._capacity = capacity
@@ -260,7 +318,30 @@ class GroupCommitWriter:
 
     def _commit(self, batches: list[_Batch]) -> None:
         started = time.perf_counter()
-        error: BaseException | None = None
+        error = self._transaction(batches)
+        if error is not None and not storage_failure(error) and len(batches) > 1:
+            # A bad row fails only its own write, not the others grouped with it.
+            errors = [self._transaction([b]) for b in batches]
+        else:
+            errors = [error] * len(batches)
+        elapsed = time.perf_counter() - started
+        n = sum(len(b.rows) for b in batches)
+        with self._count_lock:
+            self._pending_rows -= n
+        if self._on_commit is not None:
+            self._on_commit(elapsed)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]] = {}
+        for b, err in zip(batches, errors, strict=True):
+            by_loop.setdefault(b.loop, []).append((b.future, err))
+        for loop, outcomes in by_loop.items():
+            loop.call_soon_threadsafe(_settle_all, outcomes)
+
+    def _transaction(self, batches: list[_Batch]) -> BaseException | None:
+        """Run ``batches`` in one transaction; returns the error that rolled it back, if any.
+
+        Any exception is caught (a bad row can raise outside ``sqlite3.Error``): a dead writer
+        thread would leave every later write waiting forever."""
+        writes = any(b.rows or b.sql is not None for b in batches)
         try:
             self._conn.execute("BEGIN")
             for b in batches:
@@ -269,21 +350,15 @@ class GroupCommitWriter:
                 elif b.rows:
                     self._conn.executemany(self._sql, b.rows)
             self._conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            error = exc
+        except Exception as exc:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
-        elapsed = time.perf_counter() - started
-        n = sum(len(b.rows) for b in batches)
-        with self._count_lock:
-            self._pending_rows -= n
-        if self._on_commit is not None:
-            self._on_commit(elapsed)
-        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-        for b in batches:
-            by_loop.setdefault(b.loop, []).append(b.future)
-        for loop, futures in by_loop.items():
-            loop.call_soon_threadsafe(_settle_all, futures, error)
+            if storage_failure(exc):
+                self.health.record(False)
+            return exc
+        if writes:
+            self.health.record(True)
+        return None
 
     def close(self) -> None:
         """Finish every queued write, then stop the thread."""
@@ -291,8 +366,8 @@ class GroupCommitWriter:
         self._thread.join()
 
 
-def _settle_all(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
-    for fut in futures:
+def _settle_all(outcomes: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, error in outcomes:
         _settle(fut, error)
 
 
@@ -310,14 +385,17 @@ class MovementStore:
 
     INSERT = "INSERT OR IGNORE INTO fixes(user_id, t, lat, lon) VALUES (?, ?, ?, ?)"
 
-    def __init__(self, path: Path, *, capacity: int = 200_000, on_commit: Any = None) -> None:
+    def __init__(
+        self, path: Path, *, capacity: int = 200_000, on_commit: Any = None, health: WriteHealth | None = None
+    ) -> None:
         self.path = path
         self._conn = open_db(path, MOVEMENT_SQL)
         self._read = sqlite3.connect(path, check_same_thread=False)
         self._read_lock = threading.Lock()
         self.writer = GroupCommitWriter(
-            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="movement"
+            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="movement", health=health
         )
+        self.health = self.writer.health
 
     async def __aenter__(self) -> MovementStore:
         return self
@@ -372,11 +450,14 @@ class QueryLog:
 
     INSERT = "INSERT INTO forwarded VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
-    def __init__(self, path: Path, *, capacity: int = 100_000, on_commit: Any = None) -> None:
+    def __init__(
+        self, path: Path, *, capacity: int = 100_000, on_commit: Any = None, health: WriteHealth | None = None
+    ) -> None:
         self._conn = open_db(path, QUERYLOG_SQL)
         self.writer = GroupCommitWriter(
-            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="querylog"
+            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="querylog", health=health
         )
+        self.health = self.writer.health
 
     def close(self) -> None:
         self.writer.close()

@@ -15,10 +15,15 @@ from typing import Any
 
 from cloaking.profile import PROFILE_FIELDS, ReasonCode
 
-USER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-QUERY_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-SESSION_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-CATEGORY_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")
+# Every identifier pattern ends in \Z: Python's ``$`` also matches before a final newline, which
+# would make "alice\n" a user id of its own. Use them with ``.match`` or ``.fullmatch``.
+USER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+QUERY_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}\Z")
+SESSION_ID_RE = re.compile(r"^[0-9a-f]{32}\Z")
+# No control characters (C0, DEL, C1) and no lone surrogates (not text: they cannot be encoded).
+CATEGORY_RE = re.compile(r"^[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,64}\Z")
+ASCII_INT_RE = re.compile(r"^[0-9]{1,19}\Z")
+USER_ID_RULE = "user: must be 1-64 characters of [A-Za-z0-9._-], starting with a letter or digit"
 MAX_DEPTH = 16
 MAX_KNN_N = 100
 MAX_RADIUS_M = 50_000.0
@@ -41,8 +46,21 @@ def _reject_constant(name: str) -> Any:
     raise MalformedJson(f"JSON: {name} is not allowed")
 
 
+MAX_INT_DIGITS = 300
+"""Longest JSON integer literal decoded as an ``int``; longer ones become a float (±inf beyond
+about 309 digits). No field can hold such a number: field checks then refuse it ``invalid``
+(out of range, not finite, not an integer) instead of Python's int-string conversion limit
+(4,300 digits) raising, or ``float()`` overflowing on an int of a few hundred digits."""
+
+
+def _parse_int(text: str) -> int | float:
+    if len(text) > MAX_INT_DIGITS:
+        return float(text)
+    return int(text)
+
+
 # One decoder for every body: ``json.loads`` with keyword arguments builds a new decoder per call.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
 
 
 def _depth(obj: Any, limit: int) -> bool:
@@ -61,7 +79,12 @@ def _depth(obj: Any, limit: int) -> bool:
 
 
 def parse_json_object(payload: bytes | str) -> dict[str, Any]:
-    """Parse a request body: UTF-8 JSON, top level an object, no NaN/Infinity, depth ≤ 16."""
+    """Parse a request body: UTF-8 JSON, top level an object, no NaN/Infinity, depth ≤ 16.
+
+    Raises :class:`MalformedJson` for anything that does not parse, whatever the reason. An
+    integer too long to be any field's value parses (see :data:`MAX_INT_DIGITS`) and is then
+    refused ``invalid`` by the field's own check.
+    """
     if isinstance(payload, bytes):
         if payload.startswith(b"\xef\xbb\xbf"):
             raise MalformedJson("JSON: a byte order mark is not allowed")
@@ -75,7 +98,7 @@ def parse_json_object(payload: bytes | str) -> dict[str, Any]:
         obj = _DECODER.decode(text)
     except MalformedJson:
         raise
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError, OverflowError, MemoryError):  # any failure to parse
         raise MalformedJson("JSON: body is not valid JSON") from None
     if not isinstance(obj, dict):
         raise MalformedJson("JSON: the top level must be an object")
@@ -89,6 +112,15 @@ def valid_user_id(user: str) -> bool:
     return bool(USER_ID_RE.match(user))
 
 
+def ascii_int(text: str) -> int | None:
+    """A query-string or header integer: 1-19 ASCII digits only, else ``None``.
+
+    ``int()`` alone would take "٣", "1_000", " 5", "+5" and "5\n"; ``str.isdigit()`` takes "²",
+    which ``int()`` then refuses with a ValueError.
+    """
+    return int(text) if ASCII_INT_RE.match(text) else None
+
+
 def valid_query_id(qid: object) -> bool:
     return isinstance(qid, str) and bool(QUERY_ID_RE.match(qid))
 
@@ -97,7 +129,10 @@ def _number(obj: dict[str, Any], name: str) -> float:
     v = obj.get(name)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidInput(f"{name}: must be a number", field=name)
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond the float range
+        raise InvalidInput(f"{name}: must be finite", field=name) from None
     if not math.isfinite(f):
         raise InvalidInput(f"{name}: must be finite", field=name)
     return f

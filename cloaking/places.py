@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-_TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")
+_TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}\Z")
 BUNDLED_POIS = "osm_beijing_pois.csv"
 
 

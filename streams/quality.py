@@ -27,7 +27,7 @@ F64 = npt.NDArray[np.float64]
 RANGE_QUERIES = 1000
 """Default number of random space–time boxes of ``range_query_distortion`` (contract §7)."""
 
-PUBLISHED_ID = re.compile(r"^[0-9a-f]{16}$")
+PUBLISHED_ID = re.compile(r"^[0-9a-f]{16}\Z")
 """Published trajectory ids: 16 lowercase hex chars (contract §1)."""
 
 EXHAUSTIVE_NEAR_MAX = 20

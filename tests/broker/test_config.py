@@ -44,6 +44,8 @@ def test_toml_overrides_and_flags_win() -> None:
         ("[profile]\nk = 0\n", "profile.k"),
         ('[cloaking]\nalgorithm = "magic"\n', "cloaking.algorithm"),
         ('[http]\nlisten = "nowhere"\n', "http.listen"),
+        ("[http]\nhead_timeout_s = 0\n", "http.head_timeout_s: must be > 0"),
+        ("[http]\nbody_timeout_s = -1.0\n", "http.body_timeout_s: must be > 0"),
         ("[storage]\nretention_s = 10.0\n", "storage.retention_s"),
         ("[profile]\nmin_area_m2 = 5e6\n", "min_area_m2"),
         ("not toml [", "not valid TOML"),

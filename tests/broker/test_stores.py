@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError
+from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
 from cloaking.profile import PrivacyProfile
 
 
@@ -147,3 +147,72 @@ async def test_housekeeping_survives_a_failed_retention(http_broker: Any, monkey
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_lock_holds_after_kcloak_lock_is_deleted(tmp_path: Path) -> None:
+    """Deleting kcloak.lock let a second broker lock a new file and run on the same data."""
+    d = tmp_path / "data"
+    with DataDir(d):
+        (d / "kcloak.lock").unlink()
+        with pytest.raises(StoreError, match="locked"), DataDir(d):
+            pass
+    with DataDir(d):  # the lock is released on exit, file or no file
+        assert (d / "kcloak.lock").exists()
+
+
+def _fill_to_page_limit(conn: sqlite3.Connection) -> None:
+    """A real SQLITE_FULL: the database may not grow by a single page any more."""
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def test_profile_store_full_disk_raises_store_error_and_recovers(tmp_path: Path) -> None:
+    outcomes: list[tuple[str, bool]] = []
+    health = WriteHealth("profiles", lambda store, ok: outcomes.append((store, ok)))
+    store = ProfileStore(tmp_path / "profiles.sqlite3", health=health)
+    _fill_to_page_limit(store._conn)
+    with pytest.raises(StoreError, match="write failed") as err:
+        for i in range(10_000):  # the last page fills up after a few dozen rows
+            store.put(f"u{i}", PrivacyProfile(), 1.0)
+    assert isinstance(err.value.__cause__, sqlite3.OperationalError)
+    assert not health.healthy and health.failures == 1 and outcomes == [("profiles", False)]
+    store._conn.execute("PRAGMA max_page_count = 1000000")
+    store.put("again", PrivacyProfile(k=9), 2.0)
+    assert health.healthy and outcomes[-1] == ("profiles", True)
+    got = store.get("again")
+    assert got is not None and got.profile.k == 9
+    store.close()
+
+
+async def test_group_commit_full_disk_fails_the_write_and_recovers(tmp_path: Path) -> None:
+    store = MovementStore(tmp_path / "movement.sqlite3", capacity=1_000_000)
+    try:
+        _fill_to_page_limit(store._conn)
+        with pytest.raises(StoreError):
+            await asyncio.wait_for(store.append([(f"u{i}", 1.0, 39.9, 116.4) for i in range(5000)]), 10)
+        assert not store.health.healthy and store.health.failures >= 1
+        await asyncio.wait_for(store.writer.barrier(), 10)  # an empty commit says nothing
+        assert not store.health.healthy
+        store._conn.execute("PRAGMA max_page_count = 1000000")
+        await asyncio.wait_for(store.append([("u0", 2.0, 39.9, 116.4)]), 10)
+        assert store.health.healthy and store.writer.depth == 0
+        assert len(store.fixes_between(0, 10)) == 1
+    finally:
+        store.close()
+
+
+async def test_a_bad_row_fails_only_its_own_write(tmp_path: Path) -> None:
+    """A row SQLite cannot bind used to raise outside sqlite3.Error in the writer thread: the
+    thread died and every later write waited forever."""
+    store = MovementStore(tmp_path / "movement.sqlite3", capacity=100_000)
+    try:
+        bad = store.append([("\ud800", 1.0, 39.9, 116.4)])  # a lone surrogate cannot be encoded
+        good = [store.append([(f"u{i}", 1.0, 39.9, 116.4)]) for i in range(20)]
+        results = await asyncio.wait_for(asyncio.gather(bad, *good, return_exceptions=True), 10)
+        assert isinstance(results[0], StoreError)
+        assert all(r is None for r in results[1:])
+        assert store.health.healthy  # bad data says nothing about the disk
+        await asyncio.wait_for(store.append([("later", 1.0, 39.9, 116.4)]), 10)
+        assert len(store.fixes_between(0, 10)) == 21
+    finally:
+        store.close()

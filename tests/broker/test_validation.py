@@ -9,7 +9,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.validation import InvalidInput, MalformedJson, parse_fix, parse_json_object, parse_query, valid_user_id
+from broker.auth import HEX64_RE, TOKEN_RE
+from broker.publication import Window
+from broker.validation import (
+    CATEGORY_RE,
+    SESSION_ID_RE,
+    InvalidInput,
+    MalformedJson,
+    ascii_int,
+    parse_fix,
+    parse_json_object,
+    parse_query,
+    valid_query_id,
+    valid_user_id,
+)
+from cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
+from streams.quality import PUBLISHED_ID
 
 
 @pytest.mark.parametrize(
@@ -110,3 +125,82 @@ def test_error_messages_never_echo_values() -> None:
     with pytest.raises(InvalidInput) as err:
         parse_fix({"t": 1, "lat": 123.456789, "lon": 0})
     assert "123.456789" not in str(err.value)
+
+
+@pytest.mark.parametrize("digits", [5000, 4301, 400, 310, 301])
+def test_huge_integer_parses_and_is_invalid_for_its_field(digits: int) -> None:
+    """Python refuses int literals of > 4,300 digits (ValueError) and a float() of an int beyond
+    ~309 digits overflows: either used to escape as a 500 / end the MQTT intake."""
+    for sign in ("", "-"):
+        body = parse_json_object(f'{{"t": 1, "lat": {sign}1{"0" * (digits - 1)}, "lon": 1}}'.encode())
+        with pytest.raises(InvalidInput) as err:
+            parse_fix(body)
+        assert err.value.field == "lat" and not isinstance(err.value, MalformedJson)
+        assert err.value.code is ReasonCode.INVALID
+    query = parse_json_object(f'{{"query_id": "q1", "kind": "knn", "n": 1{"0" * (digits - 1)}}}')
+    with pytest.raises(InvalidInput) as err:
+        parse_query(query)
+    assert err.value.field == "n"
+    with pytest.raises(ProfileError) as perr:
+        PrivacyProfile.from_mapping(parse_json_object(f'{{"max_delay_s": 1{"0" * (digits - 1)}}}'))
+    assert perr.value.field == "max_delay_s"
+
+
+def test_integers_up_to_300_digits_stay_integers() -> None:
+    body = parse_json_object(f'{{"k": 1{"0" * 299}, "t": 17}}')
+    assert body["k"] == 10**299 and isinstance(body["t"], int)
+    with pytest.raises(InvalidInput) as err:
+        parse_fix({"t": 1, "lat": 10**400, "lon": 1})  # an int from elsewhere than JSON
+    assert err.value.field == "lat"
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda s: valid_user_id(s),
+        lambda s: valid_query_id(s),
+        lambda s: bool(SESSION_ID_RE.match(s)),
+        lambda s: bool(CATEGORY_RE.match(s)),
+        lambda s: bool(TOKEN_RE.match(s)),
+        lambda s: bool(HEX64_RE.match(s)),
+        lambda s: Window.parse(s) is not None,
+        lambda s: bool(PUBLISHED_ID.match(s)),
+    ],
+    ids=["user", "query", "session", "category", "token", "hex64", "window", "published"],
+)
+def test_identifier_patterns_end_at_the_true_end(check: Any) -> None:
+    """``$`` also matches before a final newline: "alice\\n" was a valid user id."""
+    samples = ["alice", "q-1", "0" * 32, "cafe", "tok.A1", "a" * 64, "1714550400-1714551300", "0" * 16]
+    good = [s for s in samples if check(s)]
+    assert good, "the check accepts none of the samples"
+    for s in good:
+        assert not check(s + "\n") and not check(s + "\r\n") and not check(s + "\n\n")
+
+
+def test_query_ids_sessions_and_categories_with_newline_are_invalid() -> None:
+    base = {"query_id": "q1", "kind": "knn", "n": 1}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"query_id": "q1\n"}, "query_id"),
+        ({"category": "cafe\n"}, "category"),
+        ({"category": "caf\x85"}, "category"),  # C1 control
+        ({"category": "caf\ud800"}, "category"),  # a lone surrogate is not text
+        ({"session_id": "0" * 32 + "\n", "kind": None, "n": None}, "session_id"),
+    ]
+    for extra, field in cases:
+        q = {k: v for k, v in {**base, **extra}.items() if v is not None}
+        with pytest.raises(InvalidInput) as err:
+            parse_query(q)
+        assert err.value.field == field
+    with pytest.raises(InvalidInput) as err:
+        parse_fix({"t": 1, "lat": 0, "lon": 0, "user": "bob\n"}, allow_user=True)
+    assert err.value.field == "user"
+    assert parse_query({**base, "category": "café ☕"}).category == "café ☕"
+
+
+@pytest.mark.parametrize("text", ["²", "٣", "５", "①", "1_000", "+5", " 5", "5 ", "5\n", "", "-1", "1" * 20, "0x10"])
+def test_ascii_int_takes_plain_ascii_digits_only(text: str) -> None:
+    assert ascii_int(text) is None
+
+
+def test_ascii_int_values() -> None:
+    assert ascii_int("0") == 0 and ascii_int("0042") == 42 and ascii_int("9" * 19) == 10**19 - 1
