@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -138,6 +139,7 @@ class MqttDoor:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_fixes: list[tuple[str, Any]] = []
         self._pending_done: asyncio.Future[Any] | None = None
+        self._held: asyncio.Future[Any] | None = None  # never done: messages received while closing
         self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
         if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
             log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
@@ -204,9 +206,13 @@ class MqttDoor:
         ).encode()
 
     async def _intake_loop(self, i: int) -> None:
-        backoff = 0.2
+        backoff = [0.2]
         share = self.connections > 1
         filters = [f"$share/kcloak/{ROOT}{t}/+" if share else f"{ROOT}{t}/+" for t in TOPICS]
+
+        def connected() -> None:
+            backoff[0] = 0.2  # an outage after hours of service starts again at the shortest wait
+
         while True:
             conn = IntakeConnection(
                 host=self.host,
@@ -215,14 +221,16 @@ class MqttDoor:
                 password=self.password,
                 filters=filters,
                 on_messages=self._dispatch_batch,
+                on_too_large=lambda topic: self.dropped(topic, "too_large"),
+                client_id=intake_client_id(self.config, i) if self.config.mqtt.mode.startswith("mqtt://") else None,
                 max_packet=self.config.limits.batch_bytes + 64 * 1024,
             )
             try:
-                await conn.run()
+                await conn.run(connected)
             except MqttIntakeError:
                 log_event(log, "mqtt_disconnected", logging.WARNING, connection="intake")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff[0])
+                backoff[0] = min(backoff[0] * 2, 5.0)
 
     async def publish(self, topic: str, payload: dict[str, Any]) -> None:
         try:
@@ -263,6 +271,13 @@ class MqttDoor:
         self.metrics.messages_dropped.labels(transport="mqtt", topic=topic, reason=reason).inc()
 
     def _dispatch_batch(self, messages: list[Incoming]) -> list[asyncio.Future[Any] | None]:
+        """One completion per message (the intake acknowledges each once it is done). Once the
+        pipeline is closing, messages are left unacknowledged instead of refused ``shutdown``:
+        with a persistent session the MQTT broker hands them to the next run."""
+        if self.pipeline.closing:
+            if self._held is None:
+                self._held = asyncio.get_running_loop().create_future()
+            return [self._held] * len(messages)
         return [self.dispatch(m.topic, m.payload, m.retain) for m in messages]
 
     def dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
@@ -418,6 +433,14 @@ def _item_user(item: Any, sender: str) -> str:
     """The user a batch item is for: its ``user`` field when that is a string, else the topic's user."""
     who = item.get("user", sender) if isinstance(item, dict) else sender
     return who if isinstance(who, str) else sender
+
+
+def intake_client_id(config: Config, i: int) -> str:
+    """The MQTT client id of intake connection ``i``: stable across restarts of one deployment, so
+    its persistent session (and what the MQTT broker holds for it) is found again. Derived from the
+    absolute data directory, which one ``kcloak serve`` at a time owns (it is locked)."""
+    where = str(Path(config.storage.data_dir).resolve())
+    return f"kcloak-{hashlib.sha256(where.encode()).hexdigest()[:12]}-in{i}"
 
 
 def embedded_listen(config: Config) -> tuple[str, int]:

@@ -4,13 +4,17 @@ through it (shared subscriptions included)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiomqtt
 import pytest
@@ -19,6 +23,7 @@ from broker.auth import TokenStore
 from broker.cli import main as cli_main
 from broker.mosquitto import mosquitto_hash
 from broker.mqtt import free_port
+from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
@@ -31,8 +36,28 @@ def test_hash_format() -> None:
     assert parts[1] == "7" and parts[2] == "101" and len(parts) == 5
 
 
+@dataclass
+class Mosquitto:
+    """A real mosquitto on the configuration ``kcloak mosquitto-config`` wrote into ``out``."""
+
+    port: int
+    out: Path
+    tokens: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = start_mosquitto(self.out, self.port)
+
+    def stop(self) -> None:
+        """An orderly stop (SIGTERM), which saves mosquitto's state when persistence is on."""
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(5)
+            self.proc = None
+
+
 @pytest.fixture
-def mosquitto(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
+def mosquitto_server(tmp_path: Path) -> Iterator[Mosquitto]:
     if not Path(MOSQUITTO).exists():
         pytest.fail("mosquitto is not installed (.ci/run installs it with apt-get)")
     tokens = tmp_path / "tokens"
@@ -56,18 +81,27 @@ def mosquitto(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
     if os.getuid() == 0:  # mosquitto drops root to its own user, which cannot read our private files
         with (out / "mosquitto.conf").open("a") as fh:
             fh.write("user root\n")
+    m = Mosquitto(port, out, tokens)
+    m.start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def mosquitto(mosquitto_server: Mosquitto) -> tuple[int, Path, Path]:
+    return mosquitto_server.port, mosquitto_server.out, mosquitto_server.tokens
+
+
+def start_mosquitto(out: Path, port: int) -> subprocess.Popen[bytes]:
+    """mosquitto on the configuration in ``out``, once it accepts connections on ``port``."""
     proc = subprocess.Popen([MOSQUITTO, "-c", str(out / "mosquitto.conf")], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 5
-    import socket
-
     while time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.05)
-    yield port, out, tokens
-    proc.terminate()
-    proc.wait(5)
+    return proc
 
 
 async def test_generated_acl_is_enforced(mosquitto: tuple[int, Path, Path]) -> None:
@@ -148,3 +182,73 @@ async def test_broker_through_mosquitto_with_shared_subscriptions(
                 answer = json.loads(m.payload)
                 break
         assert answer["query_id"] == "q1" and answer["reason"] == "k_unreachable"
+
+
+def _intake(port: int, out: Path, on_messages: Any, client_id: str = "kcloak-test-in0") -> IntakeConnection:
+    secret = (out / "service.secret").read_text().strip()
+    return IntakeConnection(
+        host="127.0.0.1",
+        port=port,
+        username="_kcloak",
+        password=secret,
+        filters=["kcloak/v1/update/+"],
+        on_messages=on_messages,
+        client_id=client_id,
+    )
+
+
+async def _publish_as_alice(port: int, n: int) -> None:
+    async with PublishConnection(host="127.0.0.1", port=port, username="alice", password="tokA") as alice:
+        await asyncio.gather(*(alice.publish("kcloak/v1/update/alice", str(i).encode()) for i in range(n)))
+
+
+async def test_generated_config_keeps_a_large_backlog_across_a_mosquitto_restart(
+    mosquitto_server: Mosquitto,
+) -> None:
+    """What mosquitto acknowledged to an app while kcloak was away is handed to kcloak later: more
+    than mosquitto's default 1000 queued messages, and also after mosquitto restarted in between."""
+    port, out = mosquitto_server.port, mosquitto_server.out
+    task = await _intake(port, out, lambda _: None).start()  # the persistent session subscribes
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
+        await task
+    await _publish_as_alice(port, 5000)  # acknowledged by mosquitto, queued for kcloak's session
+    # mosquitto restarts (an orderly stop saves its state; see docs/mqtt-external.md for a crash)
+    mosquitto_server.stop()
+    mosquitto_server.start()
+    got: list[bytes] = []
+    task = await _intake(port, out, lambda batch: got.extend(m.payload for m in batch)).start()
+    try:
+        async with asyncio.timeout(10):
+            while len(got) < 5000:
+                await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
+            await task
+    assert got == [str(i).encode() for i in range(5000)]
+
+
+async def test_generated_config_lets_kcloak_hold_many_messages_unacknowledged(
+    mosquitto: tuple[int, Path, Path],
+) -> None:
+    """kcloak acknowledges a fix once committed: mosquitto must keep sending meanwhile (its default
+    of 20 unacknowledged messages in flight per client throttles intake to 20 per commit)."""
+    port, out, _ = mosquitto
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[None] = loop.create_future()
+    got: list[Incoming] = []
+
+    def hold(batch: list[Incoming]) -> list[asyncio.Future[None]]:
+        got.extend(batch)
+        return [never] * len(batch)
+
+    task = await _intake(port, out, hold, client_id="kcloak-hold-in0").start()
+    try:
+        await _publish_as_alice(port, 3000)
+        await asyncio.sleep(0.5)
+        assert 1000 <= len(got) < 3000  # the generated window (1000), not mosquitto's default (20)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
+            await task
