@@ -64,7 +64,8 @@ def cascade_table() -> list[dict[str, Any]]:
     spec = [("g00", 1000, 300), *((f"g{j + 1:02d}", 100, a) for j, a in enumerate(chain))]
     rows: list[dict[str, Any]] = []
     for g, size, n_a in spec:
-        rows.extend({"_rid": str(len(rows) + i), "g": g, "s": "a" if i < n_a else "b"} for i in range(size))
+        start = len(rows)
+        rows.extend({"_rid": str(start + i), "g": g, "s": "a" if i < n_a else "b"} for i in range(size))
     return rows
 
 
