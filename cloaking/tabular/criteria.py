@@ -111,10 +111,16 @@ class OrderedDistance:
     """
 
     def emd(self, p: FloatArray, q: FloatArray) -> FloatArray:
+        steps = np.abs(np.cumsum(p - q, axis=1))
+        if bool((q > 0).all()):  # every code present (no suppression yet): the plain formula
+            m = p.shape[1]
+            if m <= 1:
+                return np.zeros(p.shape[0])
+            return np.asarray(steps.sum(axis=1) / (m - 1), dtype=np.float64)
         present = (q > 0) | (p > 0)
-        m = present.sum(axis=1)
-        steps = np.where(present, np.abs(np.cumsum(p - q, axis=1)), 0.0).sum(axis=1)
-        out = np.divide(steps, m - 1, out=np.zeros(p.shape[0]), where=m > 1)
+        n_present = present.sum(axis=1)
+        total = np.where(present, steps, 0.0).sum(axis=1)
+        out = np.divide(total, n_present - 1, out=np.zeros(p.shape[0]), where=n_present > 1)
         return np.asarray(out, dtype=np.float64)
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cloaking.tabular import QuasiIdentifier, anonymize_table
+from cloaking.tabular.criteria import OrderedDistance
 from tests.cloaking.tabular import checker
 
 LATTICE = ("samarati", "incognito", "ola")
@@ -38,6 +40,25 @@ def released_max_emd(rel_rows: list[dict[str, str]], originals: dict[str, dict[s
     cls = checker.group(rel_rows, qi_cols, "s")
     domain = sorted({str(originals[r["_rid"]]["s"]) for r in rel_rows}, key=float)
     return checker.max_emd(cls, domain, checker.ordered_ground([float(d) for d in domain]))
+
+
+def test_ordered_emd_counts_only_the_values_present() -> None:
+    """Against a ``Q`` with absent codes, the ordered EMD equals the LP EMD over the present values alone."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        m = int(rng.integers(2, 8))
+        q = rng.random(m) * (rng.random(m) < 0.6)
+        if np.count_nonzero(q) == 0:
+            q[int(rng.integers(m))] = 1.0
+        q /= q.sum()
+        present = np.flatnonzero(q > 0)
+        p = np.zeros(m)
+        p[present] = rng.random(len(present))
+        p /= p.sum()
+        got = float(OrderedDistance().emd(p[None, :], q[None, :])[0])
+        ground = checker.ordered_ground([float(i) for i in present])
+        want = checker.emd_lp(p[present].tolist(), q[present].tolist(), ground)
+        assert got == pytest.approx(want, abs=1e-9)
 
 
 @pytest.mark.parametrize("algorithm", LATTICE)
