@@ -117,13 +117,18 @@ def _check_release(scn: dict[str, Any], algorithm: str) -> None:
     assert rel.k_achieved <= min(cls.sizes)
     if scn["l"] is not None or algorithm == "anatomy":
         l_req = kwargs["l"]
+        l_rep = rel.l_achieved  # the report may not claim more than every published class shows
+        assert l_rep is not None and l_rep >= l_req - 1e-9
         for vs in cls.members.values():
             if scn["l_kind"] == "distinct" or scn["l"] is None:
                 assert checker.distinct_l(vs) >= l_req
+                assert checker.distinct_l(vs) >= l_rep
             elif scn["l_kind"] == "entropy":
                 assert checker.entropy_l(vs) >= l_req - 1e-9
+                assert checker.entropy_l(vs) >= l_rep - 1e-9
             else:
                 assert checker.recursive_ok(vs, scn["c"], l_req)
+                assert checker.recursive_ok(vs, scn["c"], int(l_rep))
     if scn["t"] is not None:
         released = [originals[r["_rid"]]["s"] for r in rel.rows]
         if scn["numeric_sensitive"]:
@@ -132,7 +137,9 @@ def _check_release(scn: dict[str, Any], algorithm: str) -> None:
         else:
             domain = sorted(set(released))
             ground = checker.equal_ground(len(domain))
-        assert checker.max_emd(cls, domain, ground) <= scn["t"] + 1e-7
+        worst = checker.max_emd(cls, domain, ground)
+        assert worst <= scn["t"] + 1e-7
+        assert rel.t_achieved is not None and rel.t_achieved >= worst - 1e-7  # never understated
     if algorithm in ("samarati", "incognito", "ola"):  # global recoding: one published value per original value
         for q in scn["qis"]:
             seen: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
