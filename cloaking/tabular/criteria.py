@@ -102,13 +102,26 @@ class RecursiveCLDiversity:
 
 @dataclass(frozen=True, slots=True)
 class OrderedDistance:
-    """EMD with ground distance ``|i − j| / (m − 1)`` over the ordered domain (CONCEPTS §8.14)."""
+    """EMD with ground distance ``|i − j| / (m − 1)`` over the ordered domain (CONCEPTS §8.14).
+
+    The domain is the values present in the measured table, i.e. where ``q > 0`` (plus any value of ``p``
+    outside it): a value held only by suppressed rows is not in the released file, so it does not count in
+    ``m``. Over the whole input (every code in ``q``) this is the plain formula; after suppression it is the
+    EMD a reader of the release computes.
+    """
 
     def emd(self, p: FloatArray, q: FloatArray) -> FloatArray:
-        m = p.shape[1]
-        if m <= 1:
-            return np.zeros(p.shape[0])
-        return np.asarray(np.abs(np.cumsum(p - q, axis=1)).sum(axis=1) / (m - 1), dtype=np.float64)
+        steps = np.abs(np.cumsum(p - q, axis=1))
+        if bool((q > 0).all()):  # every code present (no suppression yet): the plain formula
+            m = p.shape[1]
+            if m <= 1:
+                return np.zeros(p.shape[0])
+            return np.asarray(steps.sum(axis=1) / (m - 1), dtype=np.float64)
+        present = (q > 0) | (p > 0)
+        n_present = present.sum(axis=1)
+        total = np.where(present, steps, 0.0).sum(axis=1)
+        out = np.divide(total, n_present - 1, out=np.zeros(p.shape[0]), where=n_present > 1)
+        return np.asarray(out, dtype=np.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +178,11 @@ GroundDistance = OrderedDistance | HierarchicalDistance
 
 @dataclass(frozen=True, slots=True)
 class TCloseness:
-    """EMD between each class's sensitive distribution and ``q`` is at most ``t`` [Li et al. ICDE 2007]."""
+    """EMD between each class's sensitive distribution and ``q`` is at most ``t`` [Li et al. ICDE 2007].
+
+    ``q`` starts as the input's distribution; an algorithm that suppresses classes re-measures against the
+    released rows (:meth:`CriteriaSet.rebased`), which is what the published table shows (CONCEPTS §8.14).
+    """
 
     t: float
     q: FloatArray
