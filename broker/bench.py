@@ -385,13 +385,37 @@ def _measure_all(
         p.start()
     duration = args_for[0][2]
     warm = min(1.0, duration / 5)
-    time.sleep(warm)
+    # Each worker runs ``duration`` from its own start, which comes only after its interpreter has
+    # started and imported the bench (about a second on a busy host): the clock starts when the
+    # broker sees the first of their work, not when the processes were spawned.
+    started = _wait_for_movement(http_port, metric, needle_sets, procs)
+    time.sleep(max(started + warm - time.monotonic(), 0.0))
     m0, t0 = scrape(http_port), time.monotonic()
-    time.sleep(max(duration - 2 * warm, 0.5))
+    time.sleep(max(started + duration - warm - t0, 0.5))
     m1, t1 = scrape(http_port), time.monotonic()
     for p in procs:
         p.join()
     return [(_sum(m1, metric, *needles) - _sum(m0, metric, *needles)) / (t1 - t0) for needles in needle_sets]
+
+
+def _wait_for_movement(
+    http_port: int,
+    metric: str,
+    needle_sets: list[tuple[str, ...]],
+    procs: list[Any],
+    timeout_s: float = 30.0,
+) -> float:
+    """The monotonic time at which ``metric`` (any needle set) first moved, polled every 20 ms; the
+    time of giving up if the workers end or ``timeout_s`` passes first (the rate is then what it is)."""
+    m = scrape(http_port)
+    base = [_sum(m, metric, *needles) for needles in needle_sets]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        m = scrape(http_port)
+        if any(_sum(m, metric, *needles) != b for needles, b in zip(needle_sets, base, strict=True)):
+            break
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def _quiesce(http_port: int, timeout_s: float = 60.0) -> None:
