@@ -98,29 +98,66 @@ def test_other_user_on_the_edge_is_not_counted() -> None:
     s = snap(lat=[39.9001, 39.90625, 39.9004, 39.9010, 39.9002])
     out = check(pub, s=s, effective=PrivacyProfile(k=2))
     assert [(v.property, v.expected, v.observed) for v in out] == [(Property.K_ACHIEVED, "2", "3")]
-    # The float nearest to 116.3005 lies below the decimal 116.3005: a user there IS inside.
+    # The float nearest to 116.3005 lies below the decimal 116.3005, but a client that sent
+    # 116.3005 reads the edge 116.3005 as its own position (same float, same text): on the edge.
     assert Decimal(float("116.3005")) < Decimal("116.3005")
     s = snap(lon=[116.3001, 116.3005, 116.3002, 116.3010, 116.3002])
-    assert check(published(k=3), s=s) == []
+    out = check(published(k=3), s=s)
+    assert [(v.property, v.expected, v.observed) for v in out] == [
+        (Property.K, ">= 3 present users strictly inside", "2"),
+        (Property.K_ACHIEVED, "2", "3"),
+    ]
+    s = snap(lon=[116.3001, math.nextafter(116.3005, -math.inf), 116.3002, 116.3010, 116.3002])
+    assert check(published(k=3), s=s) == []  # one ulp further in is inside both ways
+
+
+def test_five_decimal_querier_on_the_issue_corner_is_not_inside() -> None:
+    """Issue 13: bbox [116.30395, 39.92562, 116.30438, 39.92653] for a querier at (39.92653, 116.30395).
+
+    The old checker compared the edges with the coordinates' exact binary values (39.92653 is
+    just below its decimal, 116.30395 just above) and passed it; the corner IS the querier.
+    """
+    box = ("116.30395", "39.92562", "116.30438", "39.92653")
+    s = snap(ids=["q"], lat=[39.92653], lon=[116.30395], t=[NOW])
+    one = PrivacyProfile(k=1)
+    pub = published(bbox=box, k=1, area=area_m2(116.30395, 39.92562, 116.30438, 39.92653))
+    assert props(check(pub, s=s, effective=one)) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
+    edges = (Decimal("116.30395"), Decimal("39.92562"), Decimal("116.30438"), Decimal("39.92653"))
+    assert not strictly_inside(39.92653, 116.30395, edges)
+    assert strictly_inside(39.926529, 116.303951, edges)
+
+
+def test_seventeen_digit_coordinates_next_to_an_edge() -> None:
+    """A coordinate sent with 17 significant digits: inside only if the 6-decimal edge is strictly
+    beyond it both as float64 and as exact decimals of the two texts."""
+    edges = (Decimal("116.3"), Decimal("39.9"), Decimal("116.300001"), Decimal("39.9005"))
+    above_edge = float("116.30000100000001")  # a float of its own, one ulp above the edge's float
+    assert above_edge > 116.300001 and repr(above_edge) == "116.30000100000001"
+    assert not strictly_inside(39.9001, above_edge, edges)
+    below_edge = math.nextafter(116.300001, -math.inf)
+    assert repr(below_edge) == "116.30000099999998"
+    assert strictly_inside(39.9001, below_edge, edges)
+    assert not strictly_inside(39.9001, float("116.3000010000000001"), edges)  # parses to the edge's float
 
 
 def test_floats_next_to_an_edge_are_decided_exactly() -> None:
     edge = Decimal("116.300001")
     f = float(edge)
     assert Decimal(f) < edge  # the nearest float lies just below the decimal edge
-    just_in, just_out = f, math.nextafter(f, math.inf)
+    just_in, on, just_out = math.nextafter(f, -math.inf), f, math.nextafter(f, math.inf)
     assert Decimal(just_out) > edge
     box = (Decimal("116.3"), Decimal("39.9"), edge, Decimal("39.9005"))
     assert strictly_inside(39.9001, just_in, box)
+    assert not strictly_inside(39.9001, on, box)  # its text is the edge's: on it, whatever its binary value
     assert not strictly_inside(39.9001, just_out, box)
     pub = published(
         bbox=("116.3", "39.9", "116.300001", "39.9005"), k=1, area=area_m2(116.3, 39.9, 116.300001, 39.9005)
     )
-    s_out = snap(ids=["q"], lat=[39.9001], lon=[just_out], t=[NOW])
-    s_in = snap(ids=["q"], lat=[39.9001], lon=[just_in], t=[NOW])
     one = PrivacyProfile(k=1)
-    assert check(pub, s=s_in, effective=one) == []
-    assert props(check(pub, s=s_out, effective=one)) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
+    assert check(pub, s=snap(ids=["q"], lat=[39.9001], lon=[just_in], t=[NOW]), effective=one) == []
+    for lon in (on, just_out):
+        out = check(pub, s=snap(ids=["q"], lat=[39.9001], lon=[lon], t=[NOW]), effective=one)
+        assert props(out) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
 
 
 def test_lower_edge_float_just_below_is_outside() -> None:
@@ -128,8 +165,28 @@ def test_lower_edge_float_just_below_is_outside() -> None:
     f = float(edge)
     assert Decimal(f) > edge
     box_low = (Decimal("116.3"), edge, Decimal("116.4"), Decimal("39.91"))
-    assert strictly_inside(f, 116.35, box_low)
+    assert not strictly_inside(f, 116.35, box_low)  # the edge's own float: on the edge to a client
+    assert strictly_inside(math.nextafter(f, math.inf), 116.35, box_low)
     assert not strictly_inside(math.nextafter(f, -math.inf), 116.35, box_low)
+
+
+def test_inside_mask_matches_strictly_inside_near_edges() -> None:
+    """The vectorized path decides every point near an edge like the scalar one (4-6 decimal grids)."""
+    rng = np.random.default_rng(5)
+    box = (Decimal("116.30395"), Decimal("39.92562"), Decimal("116.30438"), Decimal("39.92653"))
+    grid = np.concatenate([np.arange(-3, 4) * 1e-6, np.arange(-3, 4) * 1e-5, np.arange(-2, 3) * 1e-4])
+    lon = np.round(np.concatenate([116.30395 + grid, 116.30438 + grid, rng.uniform(116.3039, 116.3045, 50)]), 6)
+    lat = np.round(rng.choice(np.concatenate([39.92562 + grid, 39.92653 + grid, [39.926]]), len(lon)), 6)
+    lon = np.concatenate([lon, np.nextafter(lon, np.inf), np.nextafter(lon, -np.inf)])
+    lat = np.concatenate([lat, lat, lat])
+    mask = inside_mask(lat, lon, box)
+    expected = [strictly_inside(float(a), float(o), box) for a, o in zip(lat, lon, strict=True)]
+    assert mask.tolist() == expected
+    assert 0 < sum(expected) < len(expected)
+    for a, o, ok in zip(lat.tolist(), lon.tolist(), expected, strict=True):
+        as_float = 116.30395 < o < 116.30438 and 39.92562 < a < 39.92653
+        as_text = box[0] < Decimal(repr(o)) < box[2] and box[1] < Decimal(repr(a)) < box[3]
+        assert ok == (as_float and as_text)
 
 
 def test_seven_fractional_digits() -> None:

@@ -235,14 +235,19 @@ def test_hilbert_buckets_end_to_end(
 
 
 def _strict_count(view: IndexView, bbox: BBox) -> int:
-    """Users strictly inside ``bbox``, with exact decimal comparisons (§2.2), by brute force."""
+    """Users strictly inside ``bbox`` as a client counts (§2.2), by brute force: float64 edges and
+    positions, and the exact decimals of their texts."""
     q = Decimal("1e-6")
     lo_lon, hi_lon = bbox.min_lon_udeg * q, bbox.max_lon_udeg * q
     lo_lat, hi_lat = bbox.min_lat_udeg * q, bbox.max_lat_udeg * q
+    f = bbox.to_geojson()
     return sum(
         1
         for la, lo in zip(view.lat.tolist(), view.lon.tolist(), strict=True)
-        if lo_lon < Decimal(lo) < hi_lon and lo_lat < Decimal(la) < hi_lat
+        if lo_lon < Decimal(repr(lo)) < hi_lon
+        and lo_lat < Decimal(repr(la)) < hi_lat
+        and f[0] < lo < f[2]
+        and f[1] < la < f[3]
     )
 
 

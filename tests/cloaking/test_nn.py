@@ -30,12 +30,13 @@ def _published(view: IndexView, members: list[str]) -> BBox:
 
 
 def _strict_count(view: IndexView, bbox: BBox) -> int:
-    q = Decimal("1e-6")
+    """Users strictly inside as a client counts: float64 edges and positions, and their decimal texts."""
+    e = bbox.to_geojson()
+    d = [Decimal(repr(v)) for v in e]
     return sum(
         1
         for la, lo in zip(view.lat.tolist(), view.lon.tolist(), strict=True)
-        if bbox.min_lon_udeg * q < Decimal(lo) < bbox.max_lon_udeg * q
-        and bbox.min_lat_udeg * q < Decimal(la) < bbox.max_lat_udeg * q
+        if e[0] < lo < e[2] and e[1] < la < e[3] and d[0] < Decimal(repr(lo)) < d[2] and d[1] < Decimal(repr(la)) < d[3]
     )
 
 

@@ -151,10 +151,14 @@ def test_worked_interval() -> None:
 
 
 def strictly_inside(bbox: BBox, lat: float, lon: float) -> bool:
+    """As a client reads it: the exact decimals of the texts, and float64."""
     q = Decimal("0.000001")
+    e = bbox.to_geojson()
     return (
-        bbox.min_lon_udeg * q < Decimal(lon) < bbox.max_lon_udeg * q
-        and bbox.min_lat_udeg * q < Decimal(lat) < bbox.max_lat_udeg * q
+        bbox.min_lon_udeg * q < Decimal(repr(lon)) < bbox.max_lon_udeg * q
+        and bbox.min_lat_udeg * q < Decimal(repr(lat)) < bbox.max_lat_udeg * q
+        and e[0] < lon < e[2]
+        and e[1] < lat < e[3]
     )
 
 
