@@ -301,3 +301,30 @@ def test_temporal_cloak() -> None:
     assert isinstance(small, Refusal) and small.reason == ReasonCode.AREA_EXCEEDED
     with pytest.raises(ValueError, match="k"):
         temporal_window(history, cell.bbox, 1000.0, 0)
+
+
+@pytest.mark.parametrize("max_area", [1.0e4, 4.0e6])
+def test_querier_on_a_cell_edge_is_strictly_inside_its_cell(max_area: float) -> None:
+    """A querier sent as the text of a cell's upper edge (a whole micro-degree) belongs to the cell
+    above it, whose published lower edge is one micro-degree below: strictly inside as a client reads
+    it. With the old keys, a float whose binary value is below that micro-degree stayed in the lower
+    cell, whose published upper edge then equalled the querier's coordinate."""
+    from fractions import Fraction
+
+    below = 0
+    for lat0, lon0 in [(39.9, 116.4), (39.91, 116.41), (-33.87, 151.21), (40.7, -74.0), (51.5, -0.12)]:
+        cell = temporal_cell(lat0, lon0, max_area_m2=max_area)
+        assert isinstance(cell, TemporalCell)
+        b = cell.bbox
+        for lat, lon in [
+            (lat0, b.max_lon_udeg / 1e6),
+            (b.max_lat_udeg / 1e6, lon0),
+            (b.max_lat_udeg / 1e6, b.max_lon_udeg / 1e6),
+        ]:
+            below += Fraction(lon) < Fraction(b.max_lon_udeg, 10**6) or Fraction(lat) < Fraction(b.max_lat_udeg, 10**6)
+            there = temporal_cell(lat, lon, max_area_m2=max_area)
+            assert isinstance(there, TemporalCell)
+            assert strictly_inside(there.bbox, lat, lon), (there.bbox, lat, lon)
+            e = there.bbox.to_geojson()
+            assert lon not in (e[0], e[2]) and lat not in (e[1], e[3])
+    assert below > 0  # some of these floats lie below their decimal: the case the old keys got wrong
