@@ -249,3 +249,16 @@ def test_batch_update_last_item_wins_and_matches_single() -> None:
     for u in ("x", "y", "z"):
         assert a.fix(u) == b.fix(u)
     assert a.fix("x") == (3.0, 7.0, 12.0)
+
+
+def test_default_min_area_is_ten_thousand_square_metres_and_overrides_only_raise_it() -> None:
+    """The shipped default floor (an extension of the contract, whose table says 0): a region around
+    co-located users would otherwise pinpoint them. Lowering it per query is looser_than_profile."""
+    default = PrivacyProfile()
+    assert default.min_area_m2 == 10_000.0
+    assert PrivacyProfile.from_mapping({"k": 7}).min_area_m2 == 10_000.0
+    with pytest.raises(ProfileError) as err:
+        default.tightened({"min_area_m2": 9_999.0})
+    assert err.value.code is ReasonCode.LOOSER_THAN_PROFILE
+    assert default.tightened({"min_area_m2": 10_000.0}).min_area_m2 == 10_000.0
+    assert PrivacyProfile(min_area_m2=0.0).tightened({"min_area_m2": 5.0}).min_area_m2 == 5.0  # a stored 0 is kept

@@ -384,20 +384,20 @@ def test_privacygrid_with_places_passes_the_checker(case: Any, m: int, places_se
 @pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
 def test_k_larger_than_the_population_is_k_unreachable(name: str) -> None:
     pop = Population("uniform", np.array([40.0, 40.001, 40.002]), np.array([-74.0, -74.001, -74.002]))
-    stored = [PrivacyProfile(k=2)] * 3
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 3
     cloaker = make_cloaker(name)
     view = _view(["a", "b", "c"], pop, stored, 1)
     for k in (4, 10, 1000):
-        res = cloaker.cloak(view, 0, PrivacyProfile(k=k))
+        res = cloaker.cloak(view, 0, PrivacyProfile(k=k, min_area_m2=0.0))
         assert isinstance(res, Refusal) and res.reason == "k_unreachable"
 
 
 @pytest.mark.parametrize("name", ["nn", "interval", "casper", "hilbert"])
 def test_l_above_one_is_unsupported(name: str) -> None:
     pop = Population("uniform", np.array([40.0, 40.001, 40.002]), np.array([-74.0, -74.001, -74.002]))
-    stored = [PrivacyProfile(k=2)] * 3
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 3
     view = _view(["a", "b", "c"], pop, stored, 1)
-    res = make_cloaker(name).cloak(view, 0, PrivacyProfile(k=2, l=2))
+    res = make_cloaker(name).cloak(view, 0, PrivacyProfile(k=2, l=2, min_area_m2=0.0))
     assert isinstance(res, Refusal) and res.reason == "unsupported"
 
 
@@ -444,7 +444,7 @@ def test_world_edge_user_is_counted(name: str, lat: float, lon: float) -> None:
     never counted and every cloaker refused (``k_unreachable``, "internal check").
     """
     pop = Population("world_edges", np.array([lat]), np.array([lon]))
-    stored = [PrivacyProfile(k=1, max_area_m2=2.5e9)]
+    stored = [PrivacyProfile(k=1, max_area_m2=2.5e9, min_area_m2=0.0)]
     failures = check_snapshot_cloaker(name, pop, stored, [(0, None)])
     res = make_cloaker(name).cloak(_view(["u0"], pop, stored, 7), 0, stored[0])
     assert isinstance(res, Region), res
@@ -455,7 +455,7 @@ def test_world_edge_user_is_counted(name: str, lat: float, lon: float) -> None:
 def test_nn_batch_equals_cloak_on_the_world_edge() -> None:
     """Found here: nn's batch path (no final k guard) published k_achieved = 0 where cloak refused."""
     pop = Population("world_edges", np.array([45.0, 45.00001]), np.array([180.0, 180.0]))
-    stored = [PrivacyProfile(k=2)] * 2
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 2
     assert check_snapshot_cloaker("nn", pop, stored, [(0, None), (1, None)]) == []
     view = _view(["u0", "u1"], pop, stored, 7)
     batch = make_cloaker("nn").cloak_batch(view, np.array([0, 1]), ProfileArrays.from_profiles(stored))
@@ -466,7 +466,12 @@ def test_hilbert_unplaceable_population_refusal_code() -> None:
     """Found here: with the population smaller than its largest stored k, hilbert refused k_unreachable
     although n_present >= E.k; contract §2 reserves that code for fewer than E.k present users."""
     pop = Population("uniform", np.array([40.0, 40.001, 40.002, 40.003]), np.array([-74.0, -74.001, -74.002, -74.0]))
-    stored = [PrivacyProfile(k=5), PrivacyProfile(k=1), PrivacyProfile(k=1), PrivacyProfile(k=1)]
+    stored = [
+        PrivacyProfile(k=5, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+    ]
     res = make_cloaker("hilbert").cloak(_view(["u0", "u1", "u2", "u3"], pop, stored, 7), 1, stored[1])
     assert isinstance(res, Refusal)
     assert res.reason == "area_exceeded", res
@@ -480,14 +485,14 @@ def test_hilbert_reciprocal_with_heterogeneous_stored_max_area() -> None:
     rng = np.random.default_rng(0)
     n = 10
     pop = Population("uniform", 40 + rng.uniform(0, 0.01, n), -74 + rng.uniform(0, 0.01, n))
-    stored = [PrivacyProfile(k=2)] * n
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * n
     ids = [f"u{i}" for i in range(n)]
     view = _view(ids, pop, stored, 7)
     first = make_cloaker("hilbert").cloak(view, 0, stored[0])
     assert isinstance(first, Region)
     mate = next(int(r) for r in first.anon_set if r != 0)
     stored = list(stored)
-    stored[mate] = PrivacyProfile(k=2, max_area_m2=first.area_m2 / 2)
+    stored[mate] = PrivacyProfile(k=2, max_area_m2=first.area_m2 / 2, min_area_m2=0.0)
     failures = check_snapshot_cloaker("hilbert", pop, stored, [(0, None)])
     assert failures == []
 
@@ -691,3 +696,39 @@ def test_every_region_on_a_five_decimal_population_has_no_user_on_an_edge(seed: 
             b = _client_edges(res)
             inside = (lon > b[0]) & (lon < b[2]) & (lat > b[1]) & (lat < b[3])
             assert bool(inside[q]) and int(inside.sum()) == res.k_achieved >= k, name
+
+
+# -- co-located users under the shipped default profile (issue 13 item 4) ----------------------------
+
+
+@pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
+def test_default_profile_does_not_pinpoint_co_located_users(name: str) -> None:
+    """Five users at one point got a 0.0095 m² region under the old default (min_area_m2 = 0): a box
+    a few micro-degrees wide that tells where all five are. The default floor is 10,000 m² now."""
+    default = PrivacyProfile()
+    assert default.min_area_m2 == 10_000.0
+    pop = Population("one_point", np.full(5, CONTRACT_FIX[0]), np.full(5, CONTRACT_FIX[1]))
+    stored = [default] * 5
+    assert check_snapshot_cloaker(name, pop, stored, [(q, None) for q in range(5)]) == []
+    view = IndexView.from_points([f"u{i}" for i in range(5)], pop.lat, pop.lon, now=NOW, seed=7)
+    res = make_cloaker(name).cloak(view, 0, default)
+    assert isinstance(res, Region) and res.k_achieved == 5
+    assert res.area_m2 >= 10_000.0 and res.bbox.area_m2 == res.area_m2
+
+
+def test_default_profile_clique_and_temporal_do_not_pinpoint_co_located_users() -> None:
+    from cloaking.cloakers.clique import CliqueRequest
+    from cloaking.temporal import ArrayFixHistory, temporal_cloak
+
+    d = PrivacyProfile()
+    lat, lon = CONTRACT_FIX
+    reqs = [
+        CliqueRequest(f"r{i}", f"u{i}", lat, lon, float(i), d.k, d.min_area_m2, d.max_area_m2, d.max_delay_s)
+        for i in range(5)
+    ]
+    violations, releases, expired = run_and_check_clique(reqs)
+    assert violations == [] and expired == [] and len(releases) == 1
+    assert releases[0].area_m2 >= 10_000.0
+    history = ArrayFixHistory([f"u{i}" for i in range(5)], [NOW] * 5, [lat] * 5, [lon] * 5)
+    region = temporal_cloak(history, lat, lon, NOW, d)
+    assert isinstance(region, Region) and region.k_achieved == 5 and region.area_m2 >= 10_000.0

@@ -287,17 +287,17 @@ def test_strictness_on_the_published_edges() -> None:
 
 def test_temporal_cloak() -> None:
     history = ArrayFixHistory(["a", "b", "c"], [1000.0, 1010.0, 1030.0], [39.9, 39.9001, 39.9002], [116.4] * 3)
-    profile = PrivacyProfile(k=3, max_area_m2=4e6)
+    profile = PrivacyProfile(k=3, max_area_m2=4e6, min_area_m2=0.0)
     region = temporal_cloak(history, 39.9, 116.4, 1000.0, profile)
     assert isinstance(region, Region)
     cell = temporal_cell(39.9, 116.4, max_area_m2=4e6)
     assert isinstance(cell, TemporalCell)
     assert (region.bbox, region.area_m2, region.algorithm) == (cell.bbox, cell.area_m2, "temporal")
     assert (region.t_start, region.t_end, region.k_achieved) == (960, 1030, 3)
-    assert temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=4)) is None  # held
-    unsupported = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, l=2))
+    assert temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=4, min_area_m2=0.0)) is None  # held
+    unsupported = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, l=2, min_area_m2=0.0))
     assert isinstance(unsupported, Refusal) and unsupported.reason == ReasonCode.UNSUPPORTED
-    small = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, max_area_m2=1e-4))
+    small = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, max_area_m2=1e-4, min_area_m2=0.0))
     assert isinstance(small, Refusal) and small.reason == ReasonCode.AREA_EXCEEDED
     with pytest.raises(ValueError, match="k"):
         temporal_window(history, cell.bbox, 1000.0, 0)
