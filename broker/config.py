@@ -84,7 +84,7 @@ class CloakingConfig:
 class ProfileConfig:
     k: int = _c(5)
     l: int = _c(1)  # noqa: E741 - the contract's name
-    min_area_m2: float = _c(0.0)
+    min_area_m2: float = _c(10000.0, "not 0: co-located users, see README")
     max_area_m2: float = _c(4000000.0)
     max_delay_s: float = _c(30.0)
 

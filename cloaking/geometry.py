@@ -1,11 +1,20 @@
 """Geodesy and exact bbox publication (CONCEPTS §2.1, §2.2, §2.5; contract §0).
 
-Published bboxes have edges on whole micro-degrees (at most 6 fractional digits). To decide
-*exactly* whether a float coordinate lies strictly inside such a box, every coordinate is
-turned into an integer **key**: ``2 * floor(v * 1e6)`` when ``v * 1e6`` is an integer,
-``2 * floor(v * 1e6) + 1`` otherwise (the exact real product, not its float rounding). A
-micro-degree edge ``m`` has key ``2 * m``, so ``lo < v < hi`` is ``2 * lo < key(v) < 2 * hi``:
-integer comparisons that agree with ``Decimal`` arithmetic on the published strings.
+Published bboxes have edges on whole micro-degrees (at most 6 fractional digits), serialized as
+the float nearest to that decimal (its ``repr`` is the decimal itself). A client reads both the
+edges and the coordinates it sent as float64, or as the exact decimals of their JSON text, and
+counts strictly. So containment is decided on the coordinates *as floats*, not on their exact
+binary values: a float ``v`` that is the float of a whole micro-degree ``m`` (``v == m / 1e6``,
+e.g. ``116.30395``, whose binary value is slightly off that decimal) sits **on** that
+micro-degree. Every coordinate is turned into an integer **key**: ``2 * m`` when ``v`` is the
+float of micro-degree ``m``, ``2 * floor(v * 1e6) + 1`` otherwise (exact real product: ``v`` is
+then strictly between the floats of two consecutive micro-degrees). A micro-degree edge ``m`` has
+key ``2 * m``, so ``lo < v < hi`` is ``2 * lo < key(v) < 2 * hi``.
+
+Why this is exact for every reader: rounding a decimal to the nearest float is monotone, so
+``float(edge_text) > v`` implies that the edge's decimal exceeds every decimal text that parses
+to ``v`` (up to 17 significant digits or more), and the exact binary value of ``v`` as well.
+Keys compare exactly like ``float(edge_text)`` against ``v``, hence like all of these.
 """
 
 from __future__ import annotations
@@ -79,8 +88,9 @@ def bbox_area_m2_array(
 def coordinate_keys(values: npt.ArrayLike) -> IntArray:
     """Exact integer keys of float coordinates in degrees (see the module docstring).
 
-    The product ``v * 1e6`` is computed with an error-free transformation (Dekker), so the key
-    tells exactly whether the real value is on a micro-degree or strictly between two.
+    ``v`` is on micro-degree ``m`` iff ``m / 1e6 == v`` (IEEE division is correctly rounded, so
+    ``m / 1e6`` is the float a client parses from the edge's text). Otherwise the product
+    ``v * 1e6`` is computed with an error-free transformation (Dekker) to take its exact floor.
     """
     v = np.asarray(values, dtype=np.float64)
     p = v * 1e6
@@ -89,13 +99,12 @@ def coordinate_keys(values: npt.ArrayLike) -> IntArray:
     vl = v - vh
     err = ((vh * _SCALE_HI - p) + vh * _SCALE_LO + vl * _SCALE_HI) + vl * _SCALE_LO
     f = np.floor(p)
-    # p integral: the exact product is f + err; below f when err < 0.
-    on_int = p == f
-    key = 2 * f.astype(np.int64) + 1
-    exact = on_int & (err == 0)
-    below = on_int & (err < 0)
-    key[exact] -= 1
-    key[below] -= 2
+    # floor of the exact product: p integral and err < 0 means the exact product is just below p.
+    floor_exact = f.astype(np.int64) - ((p == f) & (err < 0))
+    key: IntArray = 2 * floor_exact + 1
+    nearest = np.rint(p)
+    on_udeg = nearest / 1e6 == v
+    key[on_udeg] = 2 * nearest[on_udeg].astype(np.int64)
     return key
 
 

@@ -68,7 +68,7 @@ class PrivacyProfile:
 
     k: int = 5
     l: int = 1  # noqa: E741 - the field's name in the contract
-    min_area_m2: float = 0.0
+    min_area_m2: float = 10_000.0
     max_area_m2: float = 4.0e6
     max_delay_s: float = 30.0
 

@@ -3,10 +3,13 @@
 It re-derives every property by brute force from the raw snapshot and the published bytes,
 and imports only the standard library, :mod:`decimal` and numpy: the contract's sphere, area
 formula and strict containment are restated here on purpose, never taken from
-``cloaking.geometry``/``cloaking.index`` or a cloaker. Edges are compared as the ``Decimal`` of
-their serialized text (``repr`` of the float) against ``Decimal(float)`` of each coordinate,
-which is the float's exact binary value. Reciprocity and determinism call the cloaker's
-public ``cloak`` as a black box.
+``cloaking.geometry``/``cloaking.index`` or a cloaker. Containment is judged the two ways a
+client of the JSON can judge it, and a point is inside only if both agree: float64 (the edge's
+text and the coordinate's text each parsed to a float) and exact decimals (``Decimal`` of the
+edge's text against ``Decimal`` of the coordinate's JSON text, ``repr`` of the float, which is
+what ``json.dumps`` writes). Never the coordinate's exact binary value: ``116.30395`` is a float
+slightly off that decimal, yet to every client an edge ``116.30395`` *is* that user's position.
+Reciprocity and determinism call the cloaker's public ``cloak`` as a black box.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ MAX_FRACTION_DIGITS = 6
 WORLD_LON = Decimal(180)
 WORLD_LAT = Decimal(90)
 _EDGE_BAND_DEG = 1e-7
-"""Points closer than this to an edge are compared exactly; float rounding of an edge is < 1e-13°."""
+"""Points closer than this (as floats) to an edge are also compared as exact decimals; elsewhere the
+float comparison decides both ways (a decimal and its float differ by < 1e-13°)."""
 
 EdgeValue = float | str | Decimal
 DecBox = tuple[Decimal, Decimal, Decimal, Decimal]
@@ -246,34 +250,52 @@ def region_box(result: object) -> DecBox | None:
 # -- exact containment --------------------------------------------------------------------------
 
 
-def _inside_1d(v: Decimal, lo: Decimal, hi: Decimal, world: Decimal) -> bool:
+def _inside_1d(v: Decimal | float, lo: Decimal | float, hi: Decimal | float, world: int) -> bool:
     """``lo < v < hi``, or equality at the world edge where strictness is impossible (contract §0)."""
     low_ok = lo < v or (v == lo == -world)
     high_ok = v < hi or (v == hi == world)
     return low_ok and high_ok
 
 
+def coordinate_text(value: float) -> str:
+    """The JSON text of a coordinate as a client sends it (``json.dumps`` writes ``repr``)."""
+    return repr(float(value))
+
+
 def strictly_inside(lat: float, lon: float, box: DecBox) -> bool:
-    """Contract §0 containment of one coordinate in a published box (exact)."""
-    return _inside_1d(Decimal(lon), box[0], box[2], WORLD_LON) and _inside_1d(Decimal(lat), box[1], box[3], WORLD_LAT)
+    """Contract §0 containment of one coordinate in a published box, as every client reads it.
+
+    Inside only if both hold: the float64 comparison (``float`` of the edge's text against the
+    coordinate's float) and the exact decimal one (edge text against the coordinate's JSON text).
+    """
+    f0, f1, f2, f3 = (float(e) for e in box)
+    as_float = _inside_1d(float(lon), f0, f2, 180) and _inside_1d(float(lat), f1, f3, 90)
+    d_lon = Decimal(coordinate_text(lon))
+    d_lat = Decimal(coordinate_text(lat))
+    as_decimal = _inside_1d(d_lon, box[0], box[2], 180) and _inside_1d(d_lat, box[1], box[3], 90)
+    return as_float and as_decimal
 
 
 def inside_mask(lat: F64, lon: F64, box: DecBox) -> npt.NDArray[np.bool_]:
-    """Exact :func:`strictly_inside` for many points.
+    """:func:`strictly_inside` for many points.
 
-    Points further than ``_EDGE_BAND_DEG`` from every edge are decided with floats (the band is
-    many orders of magnitude wider than the rounding of an edge to a float); every point within
-    the band of an edge is decided with ``Decimal`` comparisons.
+    The float64 comparison is vectorized; points it puts inside within ``_EDGE_BAND_DEG`` of an
+    edge are also compared as exact decimals (further in, both comparisons agree).
     """
-    out = np.zeros(len(lat), dtype=bool)
     if len(lat) == 0:
-        return out
+        return np.zeros(0, dtype=bool)
+    lat = np.asarray(lat, dtype=np.float64)
+    lon = np.asarray(lon, dtype=np.float64)
     f0, f1, f2, f3 = (float(e) for e in box)
+    out: npt.NDArray[np.bool_] = (
+        ((lon > f0) | ((lon == f0) & (f0 == -180.0)))
+        & ((lon < f2) | ((lon == f2) & (f2 == 180.0)))
+        & ((lat > f1) | ((lat == f1) & (f1 == -90.0)))
+        & ((lat < f3) | ((lat == f3) & (f3 == 90.0)))
+    )
     m = _EDGE_BAND_DEG
     clearly_in = (lon > f0 + m) & (lon < f2 - m) & (lat > f1 + m) & (lat < f3 - m)
-    clearly_out = (lon < f0 - m) | (lon > f2 + m) | (lat < f1 - m) | (lat > f3 + m)
-    out[clearly_in] = True
-    for i in np.flatnonzero(~clearly_in & ~clearly_out).tolist():
+    for i in np.flatnonzero(out & ~clearly_in).tolist():
         out[i] = strictly_inside(float(lat[i]), float(lon[i]), box)
     return out
 
@@ -667,28 +689,34 @@ def box_outline(box: DecBox, per_edge: int = 33) -> tuple[F64, F64]:
     return lat, lon
 
 
-def _tight_edge_below(v: Decimal) -> Decimal:
-    """§2.2 outward rounding of a lower bound: the largest whole micro-degree strictly below ``v``."""
-    q = Decimal("0.000001")
-    r = v.quantize(q, rounding=ROUND_FLOOR)
-    return r - q if r == v else r
+_UDEG = Decimal("0.000001")
 
 
-def _tight_edge_above(v: Decimal) -> Decimal:
-    q = Decimal("0.000001")
-    r = v.quantize(q, rounding=ROUND_CEILING)
-    return r + q if r == v else r
+def _tight_edge_below(v: float) -> Decimal:
+    """§2.2 outward rounding of a lower bound: the largest whole micro-degree strictly below ``v``
+    as a client reads it (as float64 and as the exact decimal of ``v``'s JSON text)."""
+    text = Decimal(coordinate_text(v))
+    e = text.quantize(_UDEG, rounding=ROUND_FLOOR)
+    while not (e < text and float(e) < v):
+        e -= _UDEG
+    return e
+
+
+def _tight_edge_above(v: float) -> Decimal:
+    text = Decimal(coordinate_text(v))
+    e = text.quantize(_UDEG, rounding=ROUND_CEILING)
+    while not (e > text and float(e) > v):
+        e += _UDEG
+    return e
 
 
 def tight_box(lat: Sequence[float], lon: Sequence[float]) -> DecBox:
     """The §2.2 published MBR of points: each edge rounded strictly outward, clipped to the world."""
-    d_lat = [Decimal(v) for v in lat]
-    d_lon = [Decimal(v) for v in lon]
     return (
-        max(_tight_edge_below(min(d_lon)), -WORLD_LON),
-        max(_tight_edge_below(min(d_lat)), -WORLD_LAT),
-        min(_tight_edge_above(max(d_lon)), WORLD_LON),
-        min(_tight_edge_above(max(d_lat)), WORLD_LAT),
+        max(_tight_edge_below(min(lon)), -WORLD_LON),
+        max(_tight_edge_below(min(lat)), -WORLD_LAT),
+        min(_tight_edge_above(max(lon)), WORLD_LON),
+        min(_tight_edge_above(max(lat)), WORLD_LAT),
     )
 
 

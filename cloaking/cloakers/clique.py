@@ -192,9 +192,11 @@ def _aeqd(sp0: float, cp0: float, lon0: float, lat: float, lon: float) -> tuple[
 
 def exact_key(value: float) -> int:
     """Scalar :func:`cloaking.geometry.coordinate_key` in integer arithmetic (no numpy call per request)."""
+    m = round(value * UDEG_PER_DEG)
+    if m / UDEG_PER_DEG == value:  # the float of micro-degree m: on it, as a client reads it
+        return 2 * m
     n, d = value.as_integer_ratio()
-    q, r = divmod(n * UDEG_PER_DEG, d)
-    return 2 * q if r == 0 else 2 * q + 1
+    return 2 * ((n * UDEG_PER_DEG) // d) + 1
 
 
 @dataclass(slots=True, eq=False)

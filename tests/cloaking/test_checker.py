@@ -40,7 +40,7 @@ from cloaking.index import IndexView
 from cloaking.profile import PrivacyProfile, ReasonCode
 
 NOW = 1_000.0
-P3 = PrivacyProfile(k=3)
+P3 = PrivacyProfile(k=3, min_area_m2=0.0)
 
 # q, a, b inside BOX; c outside; s inside but stale.
 IDS = ["q", "a", "b", "c", "s"]
@@ -96,31 +96,68 @@ def test_other_user_on_the_edge_is_not_counted() -> None:
     box = ("116.3", "39.9", "116.3005", "39.90625")
     pub = published(bbox=box, k=3, area=area_m2(116.3, 39.9, 116.3005, 39.90625))
     s = snap(lat=[39.9001, 39.90625, 39.9004, 39.9010, 39.9002])
-    out = check(pub, s=s, effective=PrivacyProfile(k=2))
+    out = check(pub, s=s, effective=PrivacyProfile(k=2, min_area_m2=0.0))
     assert [(v.property, v.expected, v.observed) for v in out] == [(Property.K_ACHIEVED, "2", "3")]
-    # The float nearest to 116.3005 lies below the decimal 116.3005: a user there IS inside.
+    # The float nearest to 116.3005 lies below the decimal 116.3005, but a client that sent
+    # 116.3005 reads the edge 116.3005 as its own position (same float, same text): on the edge.
     assert Decimal(float("116.3005")) < Decimal("116.3005")
     s = snap(lon=[116.3001, 116.3005, 116.3002, 116.3010, 116.3002])
-    assert check(published(k=3), s=s) == []
+    out = check(published(k=3), s=s)
+    assert [(v.property, v.expected, v.observed) for v in out] == [
+        (Property.K, ">= 3 present users strictly inside", "2"),
+        (Property.K_ACHIEVED, "2", "3"),
+    ]
+    s = snap(lon=[116.3001, math.nextafter(116.3005, -math.inf), 116.3002, 116.3010, 116.3002])
+    assert check(published(k=3), s=s) == []  # one ulp further in is inside both ways
+
+
+def test_five_decimal_querier_on_the_issue_corner_is_not_inside() -> None:
+    """Issue 13: bbox [116.30395, 39.92562, 116.30438, 39.92653] for a querier at (39.92653, 116.30395).
+
+    The old checker compared the edges with the coordinates' exact binary values (39.92653 is
+    just below its decimal, 116.30395 just above) and passed it; the corner IS the querier.
+    """
+    box = ("116.30395", "39.92562", "116.30438", "39.92653")
+    s = snap(ids=["q"], lat=[39.92653], lon=[116.30395], t=[NOW])
+    one = PrivacyProfile(k=1, min_area_m2=0.0)
+    pub = published(bbox=box, k=1, area=area_m2(116.30395, 39.92562, 116.30438, 39.92653))
+    assert props(check(pub, s=s, effective=one)) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
+    edges = (Decimal("116.30395"), Decimal("39.92562"), Decimal("116.30438"), Decimal("39.92653"))
+    assert not strictly_inside(39.92653, 116.30395, edges)
+    assert strictly_inside(39.926529, 116.303951, edges)
+
+
+def test_seventeen_digit_coordinates_next_to_an_edge() -> None:
+    """A coordinate sent with 17 significant digits: inside only if the 6-decimal edge is strictly
+    beyond it both as float64 and as exact decimals of the two texts."""
+    edges = (Decimal("116.3"), Decimal("39.9"), Decimal("116.300001"), Decimal("39.9005"))
+    above_edge = float("116.30000100000001")  # a float of its own, one ulp above the edge's float
+    assert above_edge > 116.300001 and repr(above_edge) == "116.30000100000001"
+    assert not strictly_inside(39.9001, above_edge, edges)
+    below_edge = math.nextafter(116.300001, -math.inf)
+    assert repr(below_edge) == "116.30000099999998"
+    assert strictly_inside(39.9001, below_edge, edges)
+    assert not strictly_inside(39.9001, float("116.3000010000000001"), edges)  # parses to the edge's float
 
 
 def test_floats_next_to_an_edge_are_decided_exactly() -> None:
     edge = Decimal("116.300001")
     f = float(edge)
     assert Decimal(f) < edge  # the nearest float lies just below the decimal edge
-    just_in, just_out = f, math.nextafter(f, math.inf)
+    just_in, on, just_out = math.nextafter(f, -math.inf), f, math.nextafter(f, math.inf)
     assert Decimal(just_out) > edge
     box = (Decimal("116.3"), Decimal("39.9"), edge, Decimal("39.9005"))
     assert strictly_inside(39.9001, just_in, box)
+    assert not strictly_inside(39.9001, on, box)  # its text is the edge's: on it, whatever its binary value
     assert not strictly_inside(39.9001, just_out, box)
     pub = published(
         bbox=("116.3", "39.9", "116.300001", "39.9005"), k=1, area=area_m2(116.3, 39.9, 116.300001, 39.9005)
     )
-    s_out = snap(ids=["q"], lat=[39.9001], lon=[just_out], t=[NOW])
-    s_in = snap(ids=["q"], lat=[39.9001], lon=[just_in], t=[NOW])
-    one = PrivacyProfile(k=1)
-    assert check(pub, s=s_in, effective=one) == []
-    assert props(check(pub, s=s_out, effective=one)) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
+    one = PrivacyProfile(k=1, min_area_m2=0.0)
+    assert check(pub, s=snap(ids=["q"], lat=[39.9001], lon=[just_in], t=[NOW]), effective=one) == []
+    for lon in (on, just_out):
+        out = check(pub, s=snap(ids=["q"], lat=[39.9001], lon=[lon], t=[NOW]), effective=one)
+        assert props(out) == {Property.QUERIER_INSIDE, Property.K, Property.K_ACHIEVED}
 
 
 def test_lower_edge_float_just_below_is_outside() -> None:
@@ -128,8 +165,28 @@ def test_lower_edge_float_just_below_is_outside() -> None:
     f = float(edge)
     assert Decimal(f) > edge
     box_low = (Decimal("116.3"), edge, Decimal("116.4"), Decimal("39.91"))
-    assert strictly_inside(f, 116.35, box_low)
+    assert not strictly_inside(f, 116.35, box_low)  # the edge's own float: on the edge to a client
+    assert strictly_inside(math.nextafter(f, math.inf), 116.35, box_low)
     assert not strictly_inside(math.nextafter(f, -math.inf), 116.35, box_low)
+
+
+def test_inside_mask_matches_strictly_inside_near_edges() -> None:
+    """The vectorized path decides every point near an edge like the scalar one (4-6 decimal grids)."""
+    rng = np.random.default_rng(5)
+    box = (Decimal("116.30395"), Decimal("39.92562"), Decimal("116.30438"), Decimal("39.92653"))
+    grid = np.concatenate([np.arange(-3, 4) * 1e-6, np.arange(-3, 4) * 1e-5, np.arange(-2, 3) * 1e-4])
+    lon = np.round(np.concatenate([116.30395 + grid, 116.30438 + grid, rng.uniform(116.3039, 116.3045, 50)]), 6)
+    lat = np.round(rng.choice(np.concatenate([39.92562 + grid, 39.92653 + grid, [39.926]]), len(lon)), 6)
+    lon = np.concatenate([lon, np.nextafter(lon, np.inf), np.nextafter(lon, -np.inf)])
+    lat = np.concatenate([lat, lat, lat])
+    mask = inside_mask(lat, lon, box)
+    expected = [strictly_inside(float(a), float(o), box) for a, o in zip(lat, lon, strict=True)]
+    assert mask.tolist() == expected
+    assert 0 < sum(expected) < len(expected)
+    for a, o, ok in zip(lat.tolist(), lon.tolist(), expected, strict=True):
+        as_float = 116.30395 < o < 116.30438 and 39.92562 < a < 39.92653
+        as_text = box[0] < Decimal(repr(o)) < box[2] and box[1] < Decimal(repr(a)) < box[3]
+        assert ok == (as_float and as_text)
 
 
 def test_seven_fractional_digits() -> None:
@@ -147,7 +204,7 @@ def test_swapped_order_is_diagnosed() -> None:
 
 def test_world_edge_exception() -> None:
     s = snap(ids=["q", "p", "n"], lat=[10.0, 90.0, -90.0], lon=[180.0, 20.0, -180.0], t=[NOW] * 3)
-    one = PrivacyProfile(k=1, max_area_m2=2.5e9)
+    one = PrivacyProfile(k=1, max_area_m2=2.5e9, min_area_m2=0.0)
     east = ("179.9", "9.9", "180", "10.1")
     assert check(published(bbox=east, k=1, area=area_m2(179.9, 9.9, 180, 10.1)), s=s, effective=one) == []
     pole = ("19.9", "89.9", "20.1", "90")
@@ -173,7 +230,9 @@ def test_undercounted_and_overclaimed_k_achieved() -> None:
 
 
 def test_fewer_than_k() -> None:
-    out = check(published(), effective=PrivacyProfile(k=4), stored={"q": PrivacyProfile(k=4)})
+    out = check(
+        published(), effective=PrivacyProfile(k=4, min_area_m2=0.0), stored={"q": PrivacyProfile(k=4, min_area_m2=0.0)}
+    )
     assert props(out) == {Property.K}
 
 
@@ -204,7 +263,7 @@ def test_area_claim_and_bounds() -> None:
     assert check(published(area=BOX_AREA * (1 + 1e-12))) == []  # within the relative 1e-9
     out = check(published(), effective=PrivacyProfile(k=3, min_area_m2=BOX_AREA * 1.01))
     assert [v.property for v in out] == [Property.AREA_BOUNDS]
-    out = check(published(), effective=PrivacyProfile(k=3, max_area_m2=BOX_AREA * 0.99))
+    out = check(published(), effective=PrivacyProfile(k=3, max_area_m2=BOX_AREA * 0.99, min_area_m2=0.0))
     assert [v.property for v in out] == [Property.AREA_BOUNDS]
     out = check(published(area=float("nan")))
     assert [v.property for v in out] == [Property.AREA_M2]
@@ -230,14 +289,14 @@ PLACES = Places.from_arrays(
 
 
 def test_place_categories() -> None:
-    assert check(published(l_ach=3), places=PLACES, effective=PrivacyProfile(k=3, l=3)) == []
-    out = check(published(l_ach=3), places=PLACES, effective=PrivacyProfile(k=3, l=4))
+    assert check(published(l_ach=3), places=PLACES, effective=PrivacyProfile(k=3, l=3, min_area_m2=0.0)) == []
+    out = check(published(l_ach=3), places=PLACES, effective=PrivacyProfile(k=3, l=4, min_area_m2=0.0))
     assert props(out) == {Property.L}
-    out = check(published(l_ach=4), places=PLACES, effective=PrivacyProfile(k=3, l=3))
+    out = check(published(l_ach=4), places=PLACES, effective=PrivacyProfile(k=3, l=3, min_area_m2=0.0))
     assert [(v.property, v.expected, v.observed) for v in out] == [(Property.L_ACHIEVED, "3", "4")]
-    out = check(published(l_ach=None), places=PLACES, effective=PrivacyProfile(k=3, l=2))
+    out = check(published(l_ach=None), places=PLACES, effective=PrivacyProfile(k=3, l=2, min_area_m2=0.0))
     assert props(out) == {Property.L_ACHIEVED}
-    out = check(published(), effective=PrivacyProfile(k=3, l=2))
+    out = check(published(), effective=PrivacyProfile(k=3, l=2, min_area_m2=0.0))
     assert props(out) == {Property.L}  # cannot verify l without a places layer
 
 
@@ -246,7 +305,9 @@ def test_place_categories() -> None:
 
 def test_antimeridian_and_world_bounds() -> None:
     s = snap(ids=["q"], lat=[0.5], lon=[179.95], t=[NOW])
-    out = check(published(bbox=(179.9, 0.0, -179.9, 1.0), k=1, area=1.0), s=s, effective=PrivacyProfile(k=1))
+    out = check(
+        published(bbox=(179.9, 0.0, -179.9, 1.0), k=1, area=1.0), s=s, effective=PrivacyProfile(k=1, min_area_m2=0.0)
+    )
     assert Property.GEOMETRY in props(out)
     assert any("antimeridian" in v.expected for v in out)
     out = check(published(bbox=(116.3, 39.9005, 116.3005, 39.9)))
@@ -261,26 +322,26 @@ def test_antimeridian_and_world_bounds() -> None:
 
 
 def test_effective_profile_recomputed_from_stored_and_override() -> None:
-    stored = {"q": PrivacyProfile(k=2)}
+    stored = {"q": PrivacyProfile(k=2, min_area_m2=0.0)}
     assert check(published(), stored=stored, override={"k": 3}, effective=P3) == []
-    out = check(published(), stored=stored, override={"k": 3}, effective=PrivacyProfile(k=2))
+    out = check(published(), stored=stored, override={"k": 3}, effective=PrivacyProfile(k=2, min_area_m2=0.0))
     assert props(out) == {Property.EFFECTIVE_PROFILE}
-    out = check(published(), stored={"q": PrivacyProfile(k=4)}, override={"k": 3}, effective=P3)
+    out = check(published(), stored={"q": PrivacyProfile(k=4, min_area_m2=0.0)}, override={"k": 3}, effective=P3)
     assert Property.EFFECTIVE_PROFILE in props(out)  # looser override: must have been refused
-    assert apply_override(PrivacyProfile(k=4), {"k": 3}) is None
+    assert apply_override(PrivacyProfile(k=4, min_area_m2=0.0), {"k": 3}) is None
     assert apply_override(PrivacyProfile(max_area_m2=1e6), {"max_area_m2": 2e6}) is None
-    assert apply_override(PrivacyProfile(), {"min_area_m2": 5e6}) is None  # E.min > E.max: invalid
-    assert apply_override(PrivacyProfile(k=2), {"k": 7}) == PrivacyProfile(k=7)
+    assert apply_override(PrivacyProfile(min_area_m2=0.0), {"min_area_m2": 5e6}) is None  # E.min > E.max: invalid
+    assert apply_override(PrivacyProfile(k=2, min_area_m2=0.0), {"k": 7}) == PrivacyProfile(k=7, min_area_m2=0.0)
 
 
 def test_join_override_keeps_each_members_stricter_values() -> None:
-    assert join_override(PrivacyProfile(k=4), {"k": 3}) == PrivacyProfile(k=4)
-    assert join_override(PrivacyProfile(k=2), {"k": 3}) == PrivacyProfile(k=3)
+    assert join_override(PrivacyProfile(k=4, min_area_m2=0.0), {"k": 3}) == PrivacyProfile(k=4, min_area_m2=0.0)
+    assert join_override(PrivacyProfile(k=2, min_area_m2=0.0), {"k": 3}) == PrivacyProfile(k=3, min_area_m2=0.0)
     assert join_override(PrivacyProfile(min_area_m2=1e3), {"min_area_m2": 0.0, "max_area_m2": 1e6}) == PrivacyProfile(
         min_area_m2=1e3, max_area_m2=1e6
     )
     assert join_override(PrivacyProfile(min_area_m2=2e6), {"max_area_m2": 1e6}) is None  # member cannot send it
-    assert join_override(PrivacyProfile(), {"unknown": 1}) is None
+    assert join_override(PrivacyProfile(min_area_m2=0.0), {"unknown": 1}) is None
 
 
 # -- 6 reciprocity and 7 determinism through fake cloakers ---------------------------------------
@@ -349,7 +410,7 @@ class Flaky:
 LINE_IDS = ["u1", "u2", "u3", "u4"]
 LINE_LON = [0.0, 0.001, 0.002, 0.010]
 LINE_LAT = [0.0, 0.0, 0.0, 0.0]
-K2 = PrivacyProfile(k=2)
+K2 = PrivacyProfile(k=2, min_area_m2=0.0)
 
 
 def _line() -> tuple[Snapshot, IndexView]:
@@ -401,7 +462,7 @@ def test_member_refused_under_its_stored_k_leaves_the_candidate_set() -> None:
     pub = Published.of(result)
     stored = {"u1": K2, "u2": K2, "u3": K2, "u4": K2}
     assert check_region(s, "u1", pub, effective=K2, stored=stored, cloaker=FixedGroups(groups), view=v) == []
-    stored["u2"] = PrivacyProfile(k=3)  # u2's own request is refused: C = {u1} < 2
+    stored["u2"] = PrivacyProfile(k=3, min_area_m2=0.0)  # u2's own request is refused: C = {u1} < 2
     out = check_region(s, "u1", pub, effective=K2, stored=stored, cloaker=FixedGroups(groups), view=v)
     assert [(x.property, x.observed) for x in out] == [(Property.RECIPROCITY, "|C| = 1")]
 
@@ -420,7 +481,7 @@ def test_candidate_set_below_max_k_over_members_fails() -> None:
     cloaker = SizeIgnoringGroups([["u1", "u2"], ["u3", "u4"]])
     result = cloaker.cloak(v, 0, K2)
     assert isinstance(result, Region)
-    stored = {"u1": K2, "u2": PrivacyProfile(k=3), "u3": K2, "u4": K2}
+    stored = {"u1": K2, "u2": PrivacyProfile(k=3, min_area_m2=0.0), "u3": K2, "u4": K2}
     out = check_region(s, "u1", Published.of(result), effective=K2, stored=stored, cloaker=cloaker, view=v)
     assert [(v_.property, v_.observed) for v_ in out] == [(Property.RECIPROCITY, "|C| = 2")]
 
@@ -430,14 +491,14 @@ def test_override_is_replayed_for_every_member() -> None:
     s = Snapshot.from_arrays(LINE_IDS, LINE_LAT, LINE_LON, now=NOW)
     v = IndexView.from_points(LINE_IDS, LINE_LAT, LINE_LON, now=NOW)
     cloaker = FixedGroups(groups)
-    eff = PrivacyProfile(k=3)
+    eff = PrivacyProfile(k=3, min_area_m2=0.0)
     result = cloaker.cloak(v, 0, eff)
     assert isinstance(result, Region)
     pub = Published.of(result)
     kw: dict[str, Any] = {"effective": eff, "override": {"k": 3}, "cloaker": cloaker, "view": v}
     assert check_region(s, "u1", pub, stored={u: K2 for u in LINE_IDS}, **kw) == []
     # u3 stores k = 4: with the override it asks for k = 4 and is refused, so C = {u1, u2} < 3.
-    stored = {"u1": K2, "u2": K2, "u3": PrivacyProfile(k=4), "u4": K2}
+    stored = {"u1": K2, "u2": K2, "u3": PrivacyProfile(k=4, min_area_m2=0.0), "u4": K2}
     out = check_region(s, "u1", pub, stored=stored, **kw)
     assert props(out) == {Property.RECIPROCITY}
     # u3 stores a larger min_area_m2 than the override's: its own value prevails and it stays in C.
@@ -483,19 +544,33 @@ ALLOWED = {"k_unreachable", "area_exceeded", "unsupported"}
 
 def test_refusal_codes() -> None:
     s = snap()  # 4 present
-    ok = check_refusal(s, "q", "k_unreachable", effective=PrivacyProfile(k=5), allowed=ALLOWED, supports_l=False)
+    ok = check_refusal(
+        s, "q", "k_unreachable", effective=PrivacyProfile(k=5, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert ok.violations == []
-    bad = check_refusal(s, "q", "k_unreachable", effective=PrivacyProfile(k=4), allowed=ALLOWED, supports_l=False)
+    bad = check_refusal(
+        s, "q", "k_unreachable", effective=PrivacyProfile(k=4, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert props(bad.violations) == {Property.REFUSAL_CODE}
-    bad = check_refusal(s, "q", "area_exceeded", effective=PrivacyProfile(k=5), allowed=ALLOWED, supports_l=False)
+    bad = check_refusal(
+        s, "q", "area_exceeded", effective=PrivacyProfile(k=5, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert props(bad.violations) == {Property.REFUSAL_CODE}
-    ok = check_refusal(s, "q", "unsupported", effective=PrivacyProfile(k=2, l=2), allowed=ALLOWED, supports_l=False)
+    ok = check_refusal(
+        s, "q", "unsupported", effective=PrivacyProfile(k=2, l=2, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert ok.violations == []
-    bad = check_refusal(s, "q", "area_exceeded", effective=PrivacyProfile(k=2, l=2), allowed=ALLOWED, supports_l=False)
+    bad = check_refusal(
+        s, "q", "area_exceeded", effective=PrivacyProfile(k=2, l=2, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert props(bad.violations) == {Property.REFUSAL_CODE}
-    bad = check_refusal(s, "q", "unsupported", effective=PrivacyProfile(k=2), allowed=ALLOWED, supports_l=False)
+    bad = check_refusal(
+        s, "q", "unsupported", effective=PrivacyProfile(k=2, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert props(bad.violations) == {Property.REFUSAL_CODE}
-    bad = check_refusal(s, "q", "l_unreachable", effective=PrivacyProfile(k=2), allowed=ALLOWED, supports_l=False)
+    bad = check_refusal(
+        s, "q", "l_unreachable", effective=PrivacyProfile(k=2, min_area_m2=0.0), allowed=ALLOWED, supports_l=False
+    )
     assert props(bad.violations) == {Property.REFUSAL_CODE}
 
 
@@ -506,7 +581,7 @@ def test_unnecessary_area_refusal_is_flagged() -> None:
         s,
         "q",
         "area_exceeded",
-        effective=PrivacyProfile(k=2, max_area_m2=small * 1.5),
+        effective=PrivacyProfile(k=2, max_area_m2=small * 1.5, min_area_m2=0.0),
         allowed=ALLOWED,
         supports_l=False,
     )
@@ -516,7 +591,7 @@ def test_unnecessary_area_refusal_is_flagged() -> None:
         s,
         "q",
         "area_exceeded",
-        effective=PrivacyProfile(k=2, max_area_m2=small * 0.5),
+        effective=PrivacyProfile(k=2, max_area_m2=small * 0.5, min_area_m2=0.0),
         allowed=ALLOWED,
         supports_l=False,
     )

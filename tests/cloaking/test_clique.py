@@ -45,7 +45,8 @@ def planar(request_id: str, x: float, y: float, k: int, t: float, **kw: float) -
 
 
 def _inside(v: float, lo: int, hi: int) -> bool:
-    return Fraction(lo, 10**6) < Fraction(v) < Fraction(hi, 10**6)
+    """Strictly inside as a client reads it: float64 and the exact decimals of the texts."""
+    return Fraction(lo, 10**6) < Fraction(repr(v)) < Fraction(hi, 10**6) and lo / 10**6 < v < hi / 10**6
 
 
 def strictly_inside(bbox: BBox, req: CliqueRequest) -> bool:
@@ -72,15 +73,19 @@ def box_points(bbox: BBox, per_edge: int = 65) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tight_mbr(members: tuple[CliqueRequest, ...]) -> BBox:
-    """§2.2 by exact rationals: each edge the nearest whole micro-degree strictly outside."""
+    """§2.2 by brute force: each edge the nearest whole micro-degree strictly outside as a client reads it."""
 
     def below(v: float) -> int:
-        f = math.floor(Fraction(v) * 10**6)
-        return f - 1 if Fraction(f) == Fraction(v) * 10**6 else f
+        m = math.floor(Fraction(repr(v)) * 10**6)
+        while not (m / 10**6 < v and Fraction(m, 10**6) < Fraction(repr(v))):
+            m -= 1
+        return m
 
     def above(v: float) -> int:
-        c = math.ceil(Fraction(v) * 10**6)
-        return c + 1 if Fraction(c) == Fraction(v) * 10**6 else c
+        m = math.ceil(Fraction(repr(v)) * 10**6)
+        while not (m / 10**6 > v and Fraction(m, 10**6) > Fraction(repr(v))):
+            m += 1
+        return m
 
     return BBox(
         below(min(m.lon for m in members)),

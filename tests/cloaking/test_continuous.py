@@ -309,12 +309,17 @@ def test_every_refresh_keeps_k_present_members_strictly_inside(
         lat0, lon0 = 89.99, 179.99
     else:
         lat0, lon0 = float(rng.uniform(-60, 60)), float(rng.uniform(-170, 170))
+    decimals = int(rng.choice([4, 5, 6]))
 
     def position() -> tuple[float, float]:
         if place == "one_point":
             return lat0, lon0
-        if place == "grid":  # on and next to whole micro-degrees
-            return round(lat0 + int(rng.integers(0, 20)) * 1e-4, 4), round(lon0 + int(rng.integers(0, 20)) * 1e-4, 4)
+        if place == "grid":  # on a 4-, 5- or 6-decimal grid: whole micro-degrees as clients send them
+            scale = 10**decimals
+            return (
+                (round(lat0 * scale) + int(rng.integers(0, 20))) / scale,
+                (round(lon0 * scale) + int(rng.integers(0, 20))) / scale,
+            )
         lat = min(90.0, lat0 + float(rng.uniform(-0.01, 0.01)))
         lon = min(180.0, lon0 + float(rng.uniform(-0.01, 0.01)))
         return lat, lon

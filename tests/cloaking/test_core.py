@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from decimal import Decimal
 from fractions import Fraction
@@ -29,29 +30,76 @@ coords = st.one_of(
     st.floats(-180, 180, allow_nan=False),
     st.integers(-180_000_000, 180_000_000).map(lambda m: m / 1e6),
     st.integers(-18_000_000, 18_000_000).map(lambda m: m / 1e5),
+    st.integers(-1_800_000, 1_800_000).map(lambda m: m / 1e4),
+    # one ulp either side of a micro-degree's float, and 17-digit texts next to it
+    st.integers(-180_000_000, 180_000_000).map(lambda m: math.nextafter(m / 1e6, math.inf)),
+    st.integers(-180_000_000, 180_000_000).map(lambda m: math.nextafter(m / 1e6, -math.inf)),
+    st.tuples(st.integers(-179_999_999, 179_999_999), st.integers(-99, 99)).map(
+        lambda t: float(f"{t[0] / 1e6:.6f}{abs(t[1]):02d}0000000")
+    ),
 )
+
+
+def _cmp(a: float | Decimal, b: float | Decimal) -> int:
+    return int(a > b) - int(a < b)
 
 
 @settings(max_examples=400)
 @given(st.lists(coords, min_size=1, max_size=20))
-def test_keys_are_exact(values: list[float]) -> None:
+def test_keys_compare_like_the_client_reads_edges_and_positions(values: list[float]) -> None:
+    """A micro-degree edge ``m`` (key ``2m``) compares with a coordinate's key exactly as a client
+    compares the edge's JSON text with the coordinate's: as float64 and as exact decimals of the text.
+
+    The old keys used the coordinate's exact binary value: ``39.92653`` (binary value just below)
+    got key ``2·39926529 + 1``, so the edge ``39.92653`` counted as strictly above it.
+    """
     keys = coordinate_keys(np.array(values))
     for v, k in zip(values, keys.tolist(), strict=True):
-        x = Fraction(v) * 10**6
-        f = math.floor(x)
-        assert k == (2 * f if x == f else 2 * f + 1)
+        text = Decimal(repr(v))
+        base = math.floor(Fraction(v) * 10**6)
+        for m in range(base - 2, base + 3):
+            edge = m / 1e6
+            edge_text = Decimal(repr(edge))
+            assert edge_text == Decimal(m).scaleb(-6)  # the published text is the micro-degree itself
+            assert _cmp(2 * m, k) == _cmp(edge, v) == _cmp(edge_text, text), (v, m)
+            # strictly beyond as float implies strictly beyond the exact binary value too
+            if edge > v:
+                assert Fraction(edge_text) > Fraction(v)
+            if edge < v:
+                assert Fraction(edge_text) < Fraction(v)
+
+
+def test_key_of_a_five_decimal_coordinate_is_on_its_micro_degree() -> None:
+    """T-Drive's 39.92653 is below 39926530 µdeg in binary (116.30395 just above), yet each *is* that
+    micro-degree to a client: the issue's bbox had its corner on such a querier."""
+    assert Fraction(39.92653) < Fraction(3992653, 10**5) and Fraction(116.30395) > Fraction(11630395, 10**5)
+    assert coordinate_keys(np.array([116.30395, 39.92653, 39.908692, 116.397477])).tolist() == [
+        2 * 116_303_950,
+        2 * 39_926_530,
+        2 * 39_908_692,
+        2 * 116_397_477,
+    ]
 
 
 @settings(max_examples=300)
-@given(st.lists(st.tuples(st.floats(-89.9, 89.9), st.floats(-179.9, 179.9)), min_size=1, max_size=10))
+@given(
+    st.lists(
+        st.tuples(coords.filter(lambda v: abs(v) < 89.9), coords.filter(lambda v: abs(v) < 179.9)),
+        min_size=1,
+        max_size=10,
+    )
+)
 def test_bbox_around_keys_contains_every_point_strictly(points: list[tuple[float, float]]) -> None:
     lat = np.array([p[0] for p in points])
     lon = np.array([p[1] for p in points])
     lk, ak = coordinate_keys(lon), coordinate_keys(lat)
     box = bbox_around_keys(int(lk.min()), int(ak.min()), int(lk.max()), int(ak.max()))
-    lo_lon, lo_lat, hi_lon, hi_lat = (Decimal(repr(v)) for v in box.to_geojson())
+    edges = json.loads(json.dumps(box.to_geojson()))
+    lo_lon, lo_lat, hi_lon, hi_lat = (Decimal(repr(v)) for v in edges)
     for la, lo in points:
+        assert lo_lon < Decimal(repr(lo)) < hi_lon and lo_lat < Decimal(repr(la)) < hi_lat
         assert lo_lon < Decimal(lo) < hi_lon and lo_lat < Decimal(la) < hi_lat
+        assert edges[0] < lo < edges[2] and edges[1] < la < edges[3]
     assert all(len(repr(v).split(".")[-1]) <= 6 for v in box.to_geojson())
     assert box.contains_keys(lk, ak).all()
 
@@ -201,3 +249,16 @@ def test_batch_update_last_item_wins_and_matches_single() -> None:
     for u in ("x", "y", "z"):
         assert a.fix(u) == b.fix(u)
     assert a.fix("x") == (3.0, 7.0, 12.0)
+
+
+def test_default_min_area_is_ten_thousand_square_metres_and_overrides_only_raise_it() -> None:
+    """The shipped default floor (an extension of the contract, whose table says 0): a region around
+    co-located users would otherwise pinpoint them. Lowering it per query is looser_than_profile."""
+    default = PrivacyProfile()
+    assert default.min_area_m2 == 10_000.0
+    assert PrivacyProfile.from_mapping({"k": 7}).min_area_m2 == 10_000.0
+    with pytest.raises(ProfileError) as err:
+        default.tightened({"min_area_m2": 9_999.0})
+    assert err.value.code is ReasonCode.LOOSER_THAN_PROFILE
+    assert default.tightened({"min_area_m2": 10_000.0}).min_area_m2 == 10_000.0
+    assert PrivacyProfile(min_area_m2=0.0).tightened({"min_area_m2": 5.0}).min_area_m2 == 5.0  # a stored 0 is kept

@@ -36,9 +36,11 @@ WIDE = 2.5e9  # largest max_area_m2: refusals then come from the buckets only
 
 
 def _points(ids: Any, *args: Any, **kw: Any) -> IndexView:
-    """A view whose users' stored max_area_m2 is WIDE unless given (buckets are then never refused for it)."""
+    """A view whose users' stored max_area_m2 is WIDE and min_area_m2 0 unless given (buckets are then
+    never refused for the one nor grown for the other: these tests are about the buckets)."""
     ids = list(ids)
     kw.setdefault("max_area_m2", [WIDE] * len(ids))
+    kw.setdefault("min_area_m2", [0.0] * len(ids))
     return IndexView.from_points(ids, *args, **kw)
 
 
@@ -219,7 +221,9 @@ def test_hilbert_buckets_end_to_end(
         keys_lon, keys_lat = view.lon_key[rows], view.lat_key[rows]
         expected = bbox_around_keys(int(keys_lon.min()), int(keys_lat.min()), int(keys_lon.max()), int(keys_lat.max()))
         for u in members:
-            region = cloaker.cloak(view, view.row_of[u], PrivacyProfile(k=_example_k(spec, u), max_area_m2=WIDE))
+            region = cloaker.cloak(
+                view, view.row_of[u], PrivacyProfile(k=_example_k(spec, u), max_area_m2=WIDE, min_area_m2=0.0)
+            )
             assert isinstance(region, Region)
             assert region.bbox == expected
             assert sorted(view.user_ids[r] for r in region.anon_set) == sorted(members)
@@ -235,14 +239,19 @@ def test_hilbert_buckets_end_to_end(
 
 
 def _strict_count(view: IndexView, bbox: BBox) -> int:
-    """Users strictly inside ``bbox``, with exact decimal comparisons (§2.2), by brute force."""
+    """Users strictly inside ``bbox`` as a client counts (§2.2), by brute force: float64 edges and
+    positions, and the exact decimals of their texts."""
     q = Decimal("1e-6")
     lo_lon, hi_lon = bbox.min_lon_udeg * q, bbox.max_lon_udeg * q
     lo_lat, hi_lat = bbox.min_lat_udeg * q, bbox.max_lat_udeg * q
+    f = bbox.to_geojson()
     return sum(
         1
         for la, lo in zip(view.lat.tolist(), view.lon.tolist(), strict=True)
-        if lo_lon < Decimal(lo) < hi_lon and lo_lat < Decimal(la) < hi_lat
+        if lo_lon < Decimal(repr(lo)) < hi_lon
+        and lo_lat < Decimal(repr(la)) < hi_lat
+        and f[0] < lo < f[2]
+        and f[1] < la < f[3]
     )
 
 
@@ -440,20 +449,22 @@ def test_refusals() -> None:
         res = cloaker.cloak(view, row, profile)
         return res.reason if isinstance(res, Refusal) else None
 
-    assert reason(PrivacyProfile(k=3, l=2, max_area_m2=WIDE)) == ReasonCode.UNSUPPORTED
-    assert reason(PrivacyProfile(k=51, max_area_m2=WIDE)) == ReasonCode.K_UNREACHABLE
-    assert reason(PrivacyProfile(k=3, max_area_m2=1.0)) == ReasonCode.AREA_EXCEEDED
-    assert reason(PrivacyProfile(k=3, max_area_m2=WIDE)) is None
-    assert reason(PrivacyProfile(k=50, max_area_m2=WIDE)) is None  # the super-bucket of everyone
+    assert reason(PrivacyProfile(k=3, l=2, max_area_m2=WIDE, min_area_m2=0.0)) == ReasonCode.UNSUPPORTED
+    assert reason(PrivacyProfile(k=51, max_area_m2=WIDE, min_area_m2=0.0)) == ReasonCode.K_UNREACHABLE
+    assert reason(PrivacyProfile(k=3, max_area_m2=1.0, min_area_m2=0.0)) == ReasonCode.AREA_EXCEEDED
+    assert reason(PrivacyProfile(k=3, max_area_m2=WIDE, min_area_m2=0.0)) is None
+    assert reason(PrivacyProfile(k=50, max_area_m2=WIDE, min_area_m2=0.0)) is None  # the super-bucket of everyone
     # The whole population is smaller than someone's stored k: nobody can be placed. Users are
     # present in number for k = 2, so the code is area_exceeded (contract §2), for k = 4 k_unreachable.
     few = _points(["a", "b", "c"], [39.9, 39.91, 39.92], [116.4, 116.4, 116.4], k=[2, 2, 4])
-    res = cloaker.cloak(few, 0, PrivacyProfile(k=2, max_area_m2=WIDE))
+    res = cloaker.cloak(few, 0, PrivacyProfile(k=2, max_area_m2=WIDE, min_area_m2=0.0))
     assert isinstance(res, Refusal) and res.reason == ReasonCode.AREA_EXCEEDED
-    res = cloaker.cloak(few, 2, PrivacyProfile(k=4, max_area_m2=WIDE))
+    res = cloaker.cloak(few, 2, PrivacyProfile(k=4, max_area_m2=WIDE, min_area_m2=0.0))
     assert isinstance(res, Refusal) and res.reason == ReasonCode.K_UNREACHABLE
     batch = cloaker.cloak_batch(
-        few, np.array([0, 2]), ProfileArrays.from_profiles([PrivacyProfile(k=2), PrivacyProfile(k=4)])
+        few,
+        np.array([0, 2]),
+        ProfileArrays.from_profiles([PrivacyProfile(k=2, min_area_m2=0.0), PrivacyProfile(k=4, min_area_m2=0.0)]),
     )
     assert [batch[i].reason for i in range(2)] == [ReasonCode.AREA_EXCEEDED, ReasonCode.K_UNREACHABLE]  # type: ignore[union-attr]
     # No aligned super-bucket gathers k users that could send this override.
@@ -466,7 +477,7 @@ def test_refusals() -> None:
     state = cloaker.state(lopsided)
     assert state.size == [3, 30] or state.size == [30, 3]
     small = next(r for r in range(33) if state.size[state.bucket_of[r]] == 3)
-    res = cloaker.cloak(lopsided, small, PrivacyProfile(k=6, max_area_m2=WIDE))
+    res = cloaker.cloak(lopsided, small, PrivacyProfile(k=6, max_area_m2=WIDE, min_area_m2=0.0))
     assert isinstance(res, Refusal) and res.reason == ReasonCode.AREA_EXCEEDED
 
 
@@ -531,7 +542,7 @@ def test_groups_in_batch_identify_buckets() -> None:
     view = _clustered(12, 300, [4], [0.0])
     rows = np.arange(len(view))
     out = HilbertCloak().cloak_batch(
-        view, rows, ProfileArrays.uniform(PrivacyProfile(k=4, max_area_m2=WIDE), len(rows))
+        view, rows, ProfileArrays.uniform(PrivacyProfile(k=4, max_area_m2=WIDE, min_area_m2=0.0), len(rows))
     )
     assert out.ok.all()
     for g in np.unique(out.group):

@@ -83,7 +83,9 @@ def test_planar_frame_lines_up_with_cells() -> None:
 def test_gg_interval(k: int, expected: tuple[int, int, int, int] | ReasonCode, k_achieved: int) -> None:
     """§4.2 worked example: querier u1, root [0,400)², depth_max 2."""
     view = planar_view(GG_USERS)
-    result = IntervalCloak(root=PLANAR_ROOT, depth_max=2).cloak(view, view.row_of["u1"], PrivacyProfile(k=k))
+    result = IntervalCloak(root=PLANAR_ROOT, depth_max=2).cloak(
+        view, view.row_of["u1"], PrivacyProfile(k=k, min_area_m2=0.0)
+    )
     if isinstance(expected, ReasonCode):
         assert isinstance(result, Refusal)
         assert result.reason == expected
@@ -101,7 +103,7 @@ def test_recip_quadtree() -> None:
     cloak = IntervalCloak(root=PLANAR_ROOT, depth_max=2)
     regions: dict[str, BBox] = {}
     for u in users:
-        result = cloak.cloak(view, view.row_of[u], PrivacyProfile(k=2))
+        result = cloak.cloak(view, view.row_of[u], PrivacyProfile(k=2, min_area_m2=0.0))
         assert isinstance(result, Region)
         regions[u] = result.bbox
     small, quadrant, root = planar_box(0, 0, 100, 100), planar_box(0, 0, 200, 200), planar_box(0, 0, 400, 400)
@@ -134,10 +136,10 @@ def test_min_area_stop_rule_and_max_area() -> None:
     # max_area_m2 is judged on the final published bbox, which is slightly larger than the cell.
     published = planar_box(0, 0, 200, 200).area_m2
     assert published > level1
-    ok = cloak.cloak(view, row, PrivacyProfile(k=2, max_area_m2=published))
+    ok = cloak.cloak(view, row, PrivacyProfile(k=2, max_area_m2=published, min_area_m2=0.0))
     assert isinstance(ok, Region)
     assert ok.area_m2 == published
-    refused = cloak.cloak(view, row, PrivacyProfile(k=2, max_area_m2=(published + level1) / 2))
+    refused = cloak.cloak(view, row, PrivacyProfile(k=2, max_area_m2=(published + level1) / 2, min_area_m2=0.0))
     assert isinstance(refused, Refusal)
     assert refused.reason == ReasonCode.AREA_EXCEEDED
 
@@ -145,10 +147,10 @@ def test_min_area_stop_rule_and_max_area() -> None:
 def test_refusals() -> None:
     view = planar_view(GG_USERS)
     row = view.row_of["u1"]
-    assert IntervalCloak().cloak(view, row, PrivacyProfile(k=2, l=2)) == Refusal(
+    assert IntervalCloak().cloak(view, row, PrivacyProfile(k=2, l=2, min_area_m2=0.0)) == Refusal(
         ReasonCode.UNSUPPORTED, "l > 1 is not supported by this algorithm (no place diversity)"
     )
-    result = IntervalCloak().cloak(view, row, PrivacyProfile(k=8))
+    result = IntervalCloak().cloak(view, row, PrivacyProfile(k=8, min_area_m2=0.0))
     assert isinstance(result, Refusal)
     assert result.reason == ReasonCode.K_UNREACHABLE
     # Enough users exist, but the custom root holds fewer than k: area_exceeded, not k_unreachable.
@@ -157,11 +159,13 @@ def test_refusals() -> None:
         [p[1] * UDEG_PER_M / 1e6 for p in GG_USERS.values()] + [10.0, 10.0],
         [p[0] * UDEG_PER_M / 1e6 for p in GG_USERS.values()] + [10.0, 10.0],
     )
-    result = IntervalCloak(root=PLANAR_ROOT).cloak(outside, outside.row_of["u1"], PrivacyProfile(k=8))
+    result = IntervalCloak(root=PLANAR_ROOT).cloak(outside, outside.row_of["u1"], PrivacyProfile(k=8, min_area_m2=0.0))
     assert isinstance(result, Refusal)
     assert result.reason == ReasonCode.AREA_EXCEEDED
     # A querier outside the root cell is refused too.
-    result = IntervalCloak(root=PLANAR_ROOT).cloak(outside, outside.row_of["far1"], PrivacyProfile(k=2))
+    result = IntervalCloak(root=PLANAR_ROOT).cloak(
+        outside, outside.row_of["far1"], PrivacyProfile(k=2, min_area_m2=0.0)
+    )
     assert isinstance(result, Refusal)
     assert result.reason == ReasonCode.AREA_EXCEEDED
 
@@ -359,7 +363,10 @@ def test_batch_equals_scalar(view: IndexView, data: st.DataObject) -> None:
     m = data.draw(st.integers(1, 12))
     rows = np.array(data.draw(st.lists(st.integers(0, len(view) - 1), min_size=m, max_size=m)), np.int64)
     profiles = data.draw(st.lists(PROFILES, min_size=m, max_size=m))
-    profiles = [p if not data.draw(st.booleans()) or i else PrivacyProfile(k=2, l=3) for i, p in enumerate(profiles)]
+    profiles = [
+        p if not data.draw(st.booleans()) or i else PrivacyProfile(k=2, l=3, min_area_m2=0.0)
+        for i, p in enumerate(profiles)
+    ]
     depth = data.draw(st.sampled_from([None, 4]))
     cloak = IntervalCloak(depth_max=depth)
     batch = cloak.cloak_batch(view, rows, ProfileArrays.from_profiles(profiles))
@@ -380,7 +387,7 @@ def test_group_ids_and_determinism() -> None:
     view = planar_view(GG_USERS)
     cloak = IntervalCloak(root=PLANAR_ROOT, depth_max=2)
     rows = np.arange(len(view))
-    profiles = ProfileArrays.uniform(PrivacyProfile(k=2), len(view))
+    profiles = ProfileArrays.uniform(PrivacyProfile(k=2, min_area_m2=0.0), len(view))
     first = cloak.cloak_batch(view, rows, profiles)
     again = cloak.cloak_batch(planar_view(GG_USERS), rows, profiles)
     assert first.bbox.tolist() == again.bbox.tolist()
@@ -471,7 +478,9 @@ def test_reciprocal_partition_is_reciprocal(view: IndexView, override: int) -> N
         assert set(region.anon_set.tolist()) <= candidates
     # The same override for everyone (stricter than every stored k): the groups stay reciprocal.
     k_all = max(override, int(view.k.max()))
-    same = {r: cloak.cloak(view, r, PrivacyProfile(k=k_all, max_area_m2=2.5e9)) for r in range(len(view))}
+    same = {
+        r: cloak.cloak(view, r, PrivacyProfile(k=k_all, max_area_m2=2.5e9, min_area_m2=0.0)) for r in range(len(view))
+    }
     for u, region in same.items():
         if isinstance(region, Region):
             candidates = {v for v in view.rows_in(region.bbox).tolist() if _same(same[v], region)}
@@ -489,7 +498,7 @@ def test_reciprocal_quadtree_example() -> None:
     view = IndexView.from_points(view.user_ids, view.lat, view.lon, k=[2, 2, 2, 2])
     cloak = IntervalCloak(root=PLANAR_ROOT, depth_max=2, reciprocal_partition=True)
     for u in users:
-        result = cloak.cloak(view, view.row_of[u], PrivacyProfile(k=2))
+        result = cloak.cloak(view, view.row_of[u], PrivacyProfile(k=2, min_area_m2=0.0))
         assert isinstance(result, Region)
         assert result.bbox == planar_box(0, 0, 400, 400)
         assert sorted(result.anon_set.tolist()) == [0, 1, 2, 3]
@@ -497,15 +506,15 @@ def test_reciprocal_quadtree_example() -> None:
     # all stand alone, so the leaf is [0,200)² for all three.
     view3 = IndexView.from_points(view.user_ids[:3], view.lat[:3], view.lon[:3], k=[2, 2, 2])
     for u in ("u1", "u8", "u2"):
-        result = cloak.cloak(view3, view3.row_of[u], PrivacyProfile(k=2))
+        result = cloak.cloak(view3, view3.row_of[u], PrivacyProfile(k=2, min_area_m2=0.0))
         assert isinstance(result, Region)
         assert result.bbox == planar_box(0, 0, 200, 200)
     # A request stricter than its leaf allows is refused, never coarsened (that would break reciprocity).
-    refused = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=3, max_area_m2=1.0))
+    refused = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=3, max_area_m2=1.0, min_area_m2=0.0))
     assert isinstance(refused, Refusal) and refused.reason == ReasonCode.AREA_EXCEEDED
-    served = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=3))
+    served = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=3, min_area_m2=0.0))
     assert isinstance(served, Region)  # the leaf [0,200)² does hold 3
-    refused = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=4))
+    refused = cloak.cloak(view3, view3.row_of["u1"], PrivacyProfile(k=4, min_area_m2=0.0))
     assert isinstance(refused, Refusal) and refused.reason == ReasonCode.K_UNREACHABLE
 
 

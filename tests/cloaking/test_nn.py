@@ -30,12 +30,13 @@ def _published(view: IndexView, members: list[str]) -> BBox:
 
 
 def _strict_count(view: IndexView, bbox: BBox) -> int:
-    q = Decimal("1e-6")
+    """Users strictly inside as a client counts: float64 edges and positions, and their decimal texts."""
+    e = bbox.to_geojson()
+    d = [Decimal(repr(v)) for v in e]
     return sum(
         1
         for la, lo in zip(view.lat.tolist(), view.lon.tolist(), strict=True)
-        if bbox.min_lon_udeg * q < Decimal(lo) < bbox.max_lon_udeg * q
-        and bbox.min_lat_udeg * q < Decimal(la) < bbox.max_lat_udeg * q
+        if e[0] < lo < e[2] and e[1] < la < e[3] and d[0] < Decimal(repr(lo)) < d[2] and d[1] < Decimal(repr(la)) < d[3]
     )
 
 
@@ -48,7 +49,7 @@ def test_recip_nn_line() -> None:
     view = _line(["u1", "u2", "u3", "u4"])
     assert haversine_m(0, 1 * SCALE, 0, 0) == haversine_m(0, 1 * SCALE, 0, 2 * SCALE)  # an exact tie
     cloaker = NearestNeighbourCloak()
-    profile = PrivacyProfile(k=2, max_area_m2=WIDE)
+    profile = PrivacyProfile(k=2, max_area_m2=WIDE, min_area_m2=0.0)
     regions: dict[str, Region] = {}
     for u in view.user_ids:
         res = cloaker.cloak(view, view.row_of[u], profile)
@@ -85,10 +86,12 @@ def test_tie_is_broken_by_user_id() -> None:
     """Same line, but u1 renamed so that u3 has the smaller id: u2 now pairs with u3."""
     view = _line(["x1", "u2", "u3", "u4"])
     cloaker = NearestNeighbourCloak()
-    region = cloaker.cloak(view, view.row_of["u2"], PrivacyProfile(k=2, max_area_m2=WIDE))
+    region = cloaker.cloak(view, view.row_of["u2"], PrivacyProfile(k=2, max_area_m2=WIDE, min_area_m2=0.0))
     assert isinstance(region, Region)
     assert sorted(view.user_ids[r] for r in region.anon_set) == ["u2", "u3"]
-    batch = cloaker.cloak_batch(view, np.array([1]), ProfileArrays.uniform(PrivacyProfile(k=2, max_area_m2=WIDE), 1))
+    batch = cloaker.cloak_batch(
+        view, np.array([1]), ProfileArrays.uniform(PrivacyProfile(k=2, max_area_m2=WIDE, min_area_m2=0.0), 1)
+    )
     assert batch[0].bbox == region.bbox  # type: ignore[union-attr]
 
 
@@ -116,7 +119,7 @@ def test_group_is_k_nearest_by_brute_force(seed: int, n: int, k: int) -> None:
     view = _clustered(seed, n, decimals=3)
     k = min(k, n)
     cloaker = NearestNeighbourCloak()
-    profile = PrivacyProfile(k=k, max_area_m2=WIDE)
+    profile = PrivacyProfile(k=k, max_area_m2=WIDE, min_area_m2=0.0)
     rows = np.arange(n)
     batch = cloaker.cloak_batch(view, rows, ProfileArrays.uniform(profile, n))
     for row in range(n):
@@ -133,7 +136,7 @@ def test_area_floor_grows_about_the_group_centre() -> None:
     view = _clustered(1, 300)
     cloaker = NearestNeighbourCloak()
     for row in (0, 7, 123):
-        plain = cloaker.cloak(view, row, PrivacyProfile(k=5, max_area_m2=WIDE))
+        plain = cloaker.cloak(view, row, PrivacyProfile(k=5, max_area_m2=WIDE, min_area_m2=0.0))
         grown = cloaker.cloak(view, row, PrivacyProfile(k=5, min_area_m2=2e6, max_area_m2=WIDE))
         assert isinstance(plain, Region) and isinstance(grown, Region)
         assert plain.area_m2 < 2e6 <= grown.area_m2 == grown.bbox.area_m2
@@ -154,11 +157,11 @@ def test_refusals() -> None:
         res = cloaker.cloak(view, 3, profile)
         return res.reason if isinstance(res, Refusal) else None
 
-    assert reason(PrivacyProfile(k=5, l=2)) == ReasonCode.UNSUPPORTED
-    assert reason(PrivacyProfile(k=41)) == ReasonCode.K_UNREACHABLE
-    assert reason(PrivacyProfile(k=40, max_area_m2=1.0)) == ReasonCode.AREA_EXCEEDED
+    assert reason(PrivacyProfile(k=5, l=2, min_area_m2=0.0)) == ReasonCode.UNSUPPORTED
+    assert reason(PrivacyProfile(k=41, min_area_m2=0.0)) == ReasonCode.K_UNREACHABLE
+    assert reason(PrivacyProfile(k=40, max_area_m2=1.0, min_area_m2=0.0)) == ReasonCode.AREA_EXCEEDED
     assert reason(PrivacyProfile(k=5, min_area_m2=1e6, max_area_m2=1.01e6)) is None
-    assert reason(PrivacyProfile(k=40, max_area_m2=WIDE)) is None
+    assert reason(PrivacyProfile(k=40, max_area_m2=WIDE, min_area_m2=0.0)) is None
     assert get_cloaker("nn").name == "nn" and not NearestNeighbourCloak.reciprocal
 
 
@@ -176,14 +179,14 @@ def test_batch_equals_single() -> None:
     rng = np.random.default_rng(9)
     rows = rng.integers(0, len(view), 500)
     kinds = [
-        PrivacyProfile(k=1),
-        PrivacyProfile(k=2),
-        PrivacyProfile(k=5),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+        PrivacyProfile(k=2, min_area_m2=0.0),
+        PrivacyProfile(k=5, min_area_m2=0.0),
         PrivacyProfile(k=10, min_area_m2=3e5),
-        PrivacyProfile(k=20, max_area_m2=WIDE),
-        PrivacyProfile(k=5, max_area_m2=10.0),
-        PrivacyProfile(k=5, l=3),
-        PrivacyProfile(k=601),
+        PrivacyProfile(k=20, max_area_m2=WIDE, min_area_m2=0.0),
+        PrivacyProfile(k=5, max_area_m2=10.0, min_area_m2=0.0),
+        PrivacyProfile(k=5, l=3, min_area_m2=0.0),
+        PrivacyProfile(k=601, min_area_m2=0.0),
     ]
     profiles = [kinds[i % len(kinds)] for i in range(len(rows))]
     batch = NearestNeighbourCloak().cloak_batch(view, rows, ProfileArrays.from_profiles(profiles))
@@ -204,7 +207,7 @@ def test_nn_mbr_area(k: int) -> None:
     areas = nn_mbr_area_m2(view, rows, k)
     cloaker = NearestNeighbourCloak()
     for r, a in zip(rows.tolist(), areas.tolist(), strict=True):
-        region = cloaker.cloak(view, r, PrivacyProfile(k=k, max_area_m2=WIDE))
+        region = cloaker.cloak(view, r, PrivacyProfile(k=k, max_area_m2=WIDE, min_area_m2=0.0))
         assert isinstance(region, Region) and region.area_m2 == a
     assert np.isnan(nn_mbr_area_m2(view, rows, 201)).all()
 
@@ -214,7 +217,7 @@ def test_world_edge_group_counts_users_on_the_edge() -> None:
     waives strictness at the world edge, so they count, in batch as in single calls."""
     view = IndexView.from_points(["a", "b"], [45.0, 45.00001], [180.0, 180.0])
     cloaker = NearestNeighbourCloak()
-    profile = PrivacyProfile(k=2)
+    profile = PrivacyProfile(k=2, min_area_m2=0.0)
     batch = cloaker.cloak_batch(view, np.array([0, 1]), ProfileArrays.uniform(profile, 2))
     for i in range(2):
         single = cloaker.cloak(view, i, profile)

@@ -39,15 +39,22 @@ def make_places(lat: npt.ArrayLike, lon: npt.ArrayLike, codes: npt.ArrayLike, n_
 NO_PLACES = make_places([], [], [], 0)
 
 
-def _inside_1d(v: Fraction, lo: Fraction, hi: Fraction, world: int) -> bool:
-    return (lo < v or v == lo == -world) and (v < hi or v == hi == world)
+def _inside_1d(v: float, lo_udeg: int, hi_udeg: int, world: int) -> bool:
+    """Strict (but at the world edge) as a client reads it: float64 and exact decimals of the texts."""
+    u = 10**6
+    ok = True
+    for x, lo, hi in (
+        (v, lo_udeg / u, hi_udeg / u),
+        (Fraction(repr(v)), Fraction(lo_udeg, u), Fraction(hi_udeg, u)),
+    ):
+        ok = ok and (lo < x or x == lo == -world) and (x < hi or x == hi == world)
+    return ok
 
 
 def strictly_inside(bbox: BBox, lat: float, lon: float) -> bool:
-    """Contract §0 containment by brute force with exact rationals: strict, but at the world edge."""
-    u = 10**6
-    lon_ok = _inside_1d(Fraction(lon), Fraction(bbox.min_lon_udeg, u), Fraction(bbox.max_lon_udeg, u), 180)
-    lat_ok = _inside_1d(Fraction(lat), Fraction(bbox.min_lat_udeg, u), Fraction(bbox.max_lat_udeg, u), 90)
+    """Contract §0 containment by brute force: strict, but at the world edge."""
+    lon_ok = _inside_1d(lon, bbox.min_lon_udeg, bbox.max_lon_udeg, 180)
+    lat_ok = _inside_1d(lat, bbox.min_lat_udeg, bbox.max_lat_udeg, 90)
     return lon_ok and lat_ok
 
 

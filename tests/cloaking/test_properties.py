@@ -1,7 +1,9 @@
 """Property tests of every cloaker against the independent checker (CONCEPTS §4.0, §9.1, §9.4).
 
-Random populations (uniform in a city-sized box, clustered, all on one point, on and one
-micro-degree off coarse grid-cell boundaries, one user, near ±180°/±85° and the poles),
+Random populations (uniform in a city-sized box, clustered, all on one point, on 4-, 5- and
+6-decimal grids as apps send them (T-Drive has 5) with several users on shared grid lines and at
+one point, on and one micro-degree off coarse grid-cell boundaries (quadtree/pyramid cell edges at
+every level, as the floats of those micro-degrees), one user, near ±180°/±85° and the poles),
 personalized stored profiles and tightened overrides; every region must pass
 :func:`cloaking.checks.check_region`, every refusal :func:`cloaking.checks.check_refusal`,
 and ``cloak_batch`` must equal ``cloak`` element-wise.
@@ -9,6 +11,7 @@ and ``cloak_batch`` must equal ``cloak`` element-wise.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -109,14 +112,42 @@ def _grid_exact(rng: np.random.Generator, n: int) -> tuple[F64, F64]:
 
 
 def _grid_udeg(rng: np.random.Generator, n: int) -> tuple[F64, F64]:
-    """Micro-degrees ``m · 2^s − 2^28`` (grid.py's boundaries) written as floats, and ±1 µdeg."""
+    """Micro-degrees ``m · 2^s − 2^28`` (grid.py's cell edges at level 29 − s, so also every coarser
+    level's) written as the floats a client sends for them, and ±1 µdeg; some users share a point."""
     s = int(rng.integers(4, 21))
     out = []
     for lo, hi in ((-60, 60), (-170, 170)):
         m0 = (int(rng.uniform(lo, hi) * 1e6) + GRID_OFFSET) >> s
         udeg = (m0 + rng.integers(-2, 3, n)) * (1 << s) - GRID_OFFSET + rng.integers(-1, 2, n)
         out.append(udeg / 1e6)
-    return out[0], out[1]
+    return _duplicate(rng, out[0], out[1])
+
+
+def _decimal_grid(rng: np.random.Generator, n: int) -> tuple[F64, F64]:
+    """Coordinates on a 4-, 5- or 6-decimal grid, as apps and traces send them (T-Drive: 5).
+
+    Each is the float of its decimal text (integer / 10^d, correctly rounded), so it lies exactly
+    on a whole micro-degree as a client reads it. A small span puts many users on shared grid
+    lines; some users copy another's point.
+    """
+    d = int(rng.choice([4, 5, 6]))
+    scale = 10**d
+    lat0, lon0 = (39.9, 116.4) if rng.random() < 0.3 else _city_centre(rng)
+    span = int(rng.choice([2, 20, 300]))
+    ilat = round(lat0 * scale) + rng.integers(-span, span + 1, n)
+    ilon = round(lon0 * scale) + rng.integers(-span, span + 1, n)
+    return _duplicate(rng, ilat / scale, ilon / scale)
+
+
+def _duplicate(rng: np.random.Generator, lat: F64, lon: F64) -> tuple[F64, F64]:
+    """Put about a quarter of the users on another user's point (co-located users)."""
+    n = len(lat)
+    lat, lon = np.array(lat, dtype=np.float64), np.array(lon, dtype=np.float64)
+    dup = rng.random(n) < 0.25
+    src = rng.integers(0, n, n)
+    lat[dup] = lat[src[dup]]
+    lon[dup] = lon[src[dup]]
+    return lat, lon
 
 
 def _perturb(rng: np.random.Generator, lat: F64, lon: F64) -> tuple[F64, F64]:
@@ -147,6 +178,7 @@ GENERATORS = {
     "one_point": _one_point,
     "grid_exact": _grid_exact,
     "grid_udeg": _grid_udeg,
+    "decimal_grid": _decimal_grid,
     "world_edges": _world_edges,
 }
 
@@ -352,20 +384,20 @@ def test_privacygrid_with_places_passes_the_checker(case: Any, m: int, places_se
 @pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
 def test_k_larger_than_the_population_is_k_unreachable(name: str) -> None:
     pop = Population("uniform", np.array([40.0, 40.001, 40.002]), np.array([-74.0, -74.001, -74.002]))
-    stored = [PrivacyProfile(k=2)] * 3
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 3
     cloaker = make_cloaker(name)
     view = _view(["a", "b", "c"], pop, stored, 1)
     for k in (4, 10, 1000):
-        res = cloaker.cloak(view, 0, PrivacyProfile(k=k))
+        res = cloaker.cloak(view, 0, PrivacyProfile(k=k, min_area_m2=0.0))
         assert isinstance(res, Refusal) and res.reason == "k_unreachable"
 
 
 @pytest.mark.parametrize("name", ["nn", "interval", "casper", "hilbert"])
 def test_l_above_one_is_unsupported(name: str) -> None:
     pop = Population("uniform", np.array([40.0, 40.001, 40.002]), np.array([-74.0, -74.001, -74.002]))
-    stored = [PrivacyProfile(k=2)] * 3
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 3
     view = _view(["a", "b", "c"], pop, stored, 1)
-    res = make_cloaker(name).cloak(view, 0, PrivacyProfile(k=2, l=2))
+    res = make_cloaker(name).cloak(view, 0, PrivacyProfile(k=2, l=2, min_area_m2=0.0))
     assert isinstance(res, Refusal) and res.reason == "unsupported"
 
 
@@ -386,6 +418,18 @@ def test_population_generators_hit_their_edge_cases() -> None:
     assert len(set(zip(lat.tolist(), lon.tolist(), strict=True))) == 1
     lat, lon = _grid_udeg(rng, 50)
     assert np.all(np.abs(lat) <= 90) and np.all(np.abs(lon) <= 180)
+    assert np.all(np.rint(lon * 1e6) / 1e6 == lon)  # the floats of whole micro-degrees
+    decimals: set[int] = set()
+    for seed in range(30):
+        lat, lon = _decimal_grid(np.random.default_rng(seed), 40)
+        for d in (4, 5, 6):
+            if np.all(np.rint(lat * 10**d) / 10**d == lat) and np.all(np.rint(lon * 10**d) / 10**d == lon):
+                decimals.add(d)
+                break
+        points = list(zip(lat.tolist(), lon.tolist(), strict=True))
+        assert len(set(points)) < len(points)  # co-located users
+        assert len(set(lon.tolist())) < len(points)  # users on a shared grid line
+    assert decimals == {4, 5, 6}
 
 
 # -- regression tests for deviations the property tests found (fixed since) ------------------------
@@ -400,7 +444,7 @@ def test_world_edge_user_is_counted(name: str, lat: float, lon: float) -> None:
     never counted and every cloaker refused (``k_unreachable``, "internal check").
     """
     pop = Population("world_edges", np.array([lat]), np.array([lon]))
-    stored = [PrivacyProfile(k=1, max_area_m2=2.5e9)]
+    stored = [PrivacyProfile(k=1, max_area_m2=2.5e9, min_area_m2=0.0)]
     failures = check_snapshot_cloaker(name, pop, stored, [(0, None)])
     res = make_cloaker(name).cloak(_view(["u0"], pop, stored, 7), 0, stored[0])
     assert isinstance(res, Region), res
@@ -411,7 +455,7 @@ def test_world_edge_user_is_counted(name: str, lat: float, lon: float) -> None:
 def test_nn_batch_equals_cloak_on_the_world_edge() -> None:
     """Found here: nn's batch path (no final k guard) published k_achieved = 0 where cloak refused."""
     pop = Population("world_edges", np.array([45.0, 45.00001]), np.array([180.0, 180.0]))
-    stored = [PrivacyProfile(k=2)] * 2
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 2
     assert check_snapshot_cloaker("nn", pop, stored, [(0, None), (1, None)]) == []
     view = _view(["u0", "u1"], pop, stored, 7)
     batch = make_cloaker("nn").cloak_batch(view, np.array([0, 1]), ProfileArrays.from_profiles(stored))
@@ -422,7 +466,12 @@ def test_hilbert_unplaceable_population_refusal_code() -> None:
     """Found here: with the population smaller than its largest stored k, hilbert refused k_unreachable
     although n_present >= E.k; contract §2 reserves that code for fewer than E.k present users."""
     pop = Population("uniform", np.array([40.0, 40.001, 40.002, 40.003]), np.array([-74.0, -74.001, -74.002, -74.0]))
-    stored = [PrivacyProfile(k=5), PrivacyProfile(k=1), PrivacyProfile(k=1), PrivacyProfile(k=1)]
+    stored = [
+        PrivacyProfile(k=5, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+        PrivacyProfile(k=1, min_area_m2=0.0),
+    ]
     res = make_cloaker("hilbert").cloak(_view(["u0", "u1", "u2", "u3"], pop, stored, 7), 1, stored[1])
     assert isinstance(res, Refusal)
     assert res.reason == "area_exceeded", res
@@ -436,14 +485,14 @@ def test_hilbert_reciprocal_with_heterogeneous_stored_max_area() -> None:
     rng = np.random.default_rng(0)
     n = 10
     pop = Population("uniform", 40 + rng.uniform(0, 0.01, n), -74 + rng.uniform(0, 0.01, n))
-    stored = [PrivacyProfile(k=2)] * n
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * n
     ids = [f"u{i}" for i in range(n)]
     view = _view(ids, pop, stored, 7)
     first = make_cloaker("hilbert").cloak(view, 0, stored[0])
     assert isinstance(first, Region)
     mate = next(int(r) for r in first.anon_set if r != 0)
     stored = list(stored)
-    stored[mate] = PrivacyProfile(k=2, max_area_m2=first.area_m2 / 2)
+    stored[mate] = PrivacyProfile(k=2, max_area_m2=first.area_m2 / 2, min_area_m2=0.0)
     failures = check_snapshot_cloaker("hilbert", pop, stored, [(0, None)])
     assert failures == []
 
@@ -522,3 +571,164 @@ def test_clique_counts_distinct_senders() -> None:
     assert check_clique_stream([a, b, c], releases, expired) == []
     assert [{m.user for m in r.members} for r in releases] == [{"u0", "u1"}]
     assert len(expired) == 1 and expired[0][1].user == "u0"
+
+
+# -- users on micro-degrees: no published edge is a user's coordinate (issue 13) ---------------------
+
+
+def _client_edges(region: Region) -> list[float]:
+    """The bbox as a client parses the forwarded JSON."""
+    edges: list[float] = json.loads(json.dumps(region.bbox.to_geojson()))
+    return edges
+
+
+def _assert_no_corner_is_a_user(region: Region, pop: Population) -> None:
+    """No corner of the published bbox is any user's position, as a client reads both (for
+    populations the region holds entirely: a grid cell's corner may be the position of a user
+    of the next cell, who is not counted in it, contract §0)."""
+    b = _client_edges(region)
+    corners = {(lo, la) for lo in (b[0], b[2]) for la in (b[1], b[3])}
+    for la, lo in zip(pop.lat.tolist(), pop.lon.tolist(), strict=True):
+        assert (lo, la) not in corners, (b, la, lo)
+
+
+def _assert_no_edge_is_a_coordinate(region: Region, pop: Population) -> None:
+    """For populations the region must hold entirely: no edge equals any user's coordinate."""
+    b = _client_edges(region)
+    for la, lo in zip(pop.lat.tolist(), pop.lon.tolist(), strict=True):
+        assert lo not in (b[0], b[2]) and la not in (b[1], b[3]), (b, la, lo)
+
+
+CONTRACT_FIX = (39.908692, 116.397477)
+"""The contract's example fix: a 6-decimal position that the old keys put on a published corner."""
+
+
+@pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
+def test_contract_example_fix_alone_at_k1_is_strictly_inside(name: str) -> None:
+    pop = Population("decimal_grid", np.array([CONTRACT_FIX[0]]), np.array([CONTRACT_FIX[1]]))
+    stored = [PrivacyProfile(k=1, min_area_m2=0.0)]
+    assert check_snapshot_cloaker(name, pop, stored, [(0, None)]) == []
+    res = make_cloaker(name).cloak(_view(["u0"], pop, stored, 7), 0, stored[0])
+    assert isinstance(res, Region) and res.k_achieved == 1
+    _assert_no_edge_is_a_coordinate(res, pop)
+
+
+@pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
+def test_two_users_at_k2_neither_is_a_corner(name: str) -> None:
+    """The contract's second example: two users at k = 2 got a bbox whose south-west corner was one
+    user's position to every digit sent."""
+    pop = Population("decimal_grid", np.array([CONTRACT_FIX[0], 39.90912]), np.array([CONTRACT_FIX[1], 116.39811]))
+    stored = [PrivacyProfile(k=2, min_area_m2=0.0)] * 2
+    assert check_snapshot_cloaker(name, pop, stored, [(0, None), (1, None)]) == []
+    view = _view(["u0", "u1"], pop, stored, 7)
+    for row in (0, 1):
+        res = make_cloaker(name).cloak(view, row, stored[row])
+        assert isinstance(res, Region) and res.k_achieved == 2
+        _assert_no_edge_is_a_coordinate(res, pop)
+
+
+def test_clique_contract_examples_are_strictly_inside() -> None:
+    from cloaking.cloakers.clique import CliqueRequest
+
+    reqs = [
+        CliqueRequest("a", "u0", CONTRACT_FIX[0], CONTRACT_FIX[1], 0.0, 2, 0.0, 4.0e6, 30.0),
+        CliqueRequest("b", "u1", 39.90912, 116.39811, 1.0, 2, 0.0, 4.0e6, 30.0),
+        CliqueRequest("c", "u2", CONTRACT_FIX[0], CONTRACT_FIX[1], 2.0, 1, 0.0, 4.0e6, 30.0),
+    ]
+    violations, releases, expired = run_and_check_clique(reqs)
+    assert violations == [] and expired == [] and len(releases) == 2
+    pop = Population("decimal_grid", np.array([r.lat for r in reqs]), np.array([r.lon for r in reqs]))
+    for rel in releases:
+        _assert_no_corner_is_a_user(rel, pop)
+
+
+@PROPERTY_SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 30),
+    k=st.integers(1, 5),
+    max_area=st.sampled_from([1.0e4, 4.0e6, 2.5e9]),
+    min_area=st.sampled_from([0.0, 1.0e4, 1.0e6]),
+    kind=st.sampled_from(["decimal_grid", "grid_udeg", "one_point", "grid_exact"]),
+)
+def test_temporal_cells_pass_the_checker(
+    seed: int, n: int, k: int, max_area: float, min_area: float, kind: str
+) -> None:
+    """Temporal cloaking's published quadtree cell around users on micro-degrees and cell edges."""
+    from cloaking.temporal import ArrayFixHistory, temporal_cloak
+
+    rng = np.random.default_rng(seed)
+    lat, lon = GENERATORS[kind](rng, n)
+    lat, lon = _clip(np.asarray(lat, dtype=np.float64), np.asarray(lon, dtype=np.float64))
+    ids = [f"u{i}" for i in range(n)]
+    history = ArrayFixHistory(ids, [NOW] * n, lat, lon)
+    snap = Snapshot.from_arrays(ids, lat, lon, now=NOW)
+    profile = PrivacyProfile(k=k, min_area_m2=min(min_area, max_area), max_area_m2=max_area)
+    for q in range(min(n, 6)):
+        res = temporal_cloak(history, float(lat[q]), float(lon[q]), NOW, profile)
+        if isinstance(res, Region):
+            assert check_region(snap, ids[q], Published.of(res), effective=profile) == []
+        elif res is not None:
+            assert isinstance(res, Refusal) and res.reason == "area_exceeded"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 6))
+def test_every_region_on_a_five_decimal_population_has_no_user_on_an_edge(seed: int, k: int) -> None:
+    """T-Drive-like positions (5 decimals, several users per grid line and per point): the issue's
+    replay found nn and hilbert regions with fewer than k users strictly inside and the querier on
+    an edge, as any client parsing the JSON numbers sees it."""
+    rng = np.random.default_rng(seed)
+    n = 40
+    lat = (3_992_500 + rng.integers(0, 150, n)) / 1e5
+    lon = (11_630_300 + rng.integers(0, 150, n)) / 1e5
+    lat, lon = _duplicate(rng, lat, lon)
+    pop = Population("decimal_grid", lat, lon)
+    stored = [PrivacyProfile(k=k, min_area_m2=0.0)] * n
+    requests: list[tuple[int, Mapping[str, Any] | None]] = [(q, None) for q in range(0, n, 5)]
+    for name in SNAPSHOT_ALGORITHMS:
+        assert check_snapshot_cloaker(name, pop, stored, requests) == [], name
+        view = _view([f"u{i}" for i in range(n)], pop, stored, 7)
+        cloaker = make_cloaker(name)
+        for q, _ in requests:
+            res = cloaker.cloak(view, q, stored[q])
+            assert isinstance(res, Region)
+            b = _client_edges(res)
+            inside = (lon > b[0]) & (lon < b[2]) & (lat > b[1]) & (lat < b[3])
+            assert bool(inside[q]) and int(inside.sum()) == res.k_achieved >= k, name
+
+
+# -- co-located users under the shipped default profile (issue 13 item 4) ----------------------------
+
+
+@pytest.mark.parametrize("name", SNAPSHOT_ALGORITHMS)
+def test_default_profile_does_not_pinpoint_co_located_users(name: str) -> None:
+    """Five users at one point got a 0.0095 m² region under the old default (min_area_m2 = 0): a box
+    a few micro-degrees wide that tells where all five are. The default floor is 10,000 m² now."""
+    default = PrivacyProfile()
+    assert default.min_area_m2 == 10_000.0
+    pop = Population("one_point", np.full(5, CONTRACT_FIX[0]), np.full(5, CONTRACT_FIX[1]))
+    stored = [default] * 5
+    assert check_snapshot_cloaker(name, pop, stored, [(q, None) for q in range(5)]) == []
+    view = IndexView.from_points([f"u{i}" for i in range(5)], pop.lat, pop.lon, now=NOW, seed=7)
+    res = make_cloaker(name).cloak(view, 0, default)
+    assert isinstance(res, Region) and res.k_achieved == 5
+    assert res.area_m2 >= 10_000.0 and res.bbox.area_m2 == res.area_m2
+
+
+def test_default_profile_clique_and_temporal_do_not_pinpoint_co_located_users() -> None:
+    from cloaking.cloakers.clique import CliqueRequest
+    from cloaking.temporal import ArrayFixHistory, temporal_cloak
+
+    d = PrivacyProfile()
+    lat, lon = CONTRACT_FIX
+    reqs = [
+        CliqueRequest(f"r{i}", f"u{i}", lat, lon, float(i), d.k, d.min_area_m2, d.max_area_m2, d.max_delay_s)
+        for i in range(5)
+    ]
+    violations, releases, expired = run_and_check_clique(reqs)
+    assert violations == [] and expired == [] and len(releases) == 1
+    assert releases[0].area_m2 >= 10_000.0
+    history = ArrayFixHistory([f"u{i}" for i in range(5)], [NOW] * 5, [lat] * 5, [lon] * 5)
+    region = temporal_cloak(history, lat, lon, NOW, d)
+    assert isinstance(region, Region) and region.k_achieved == 5 and region.area_m2 >= 10_000.0

@@ -151,10 +151,14 @@ def test_worked_interval() -> None:
 
 
 def strictly_inside(bbox: BBox, lat: float, lon: float) -> bool:
+    """As a client reads it: the exact decimals of the texts, and float64."""
     q = Decimal("0.000001")
+    e = bbox.to_geojson()
     return (
-        bbox.min_lon_udeg * q < Decimal(lon) < bbox.max_lon_udeg * q
-        and bbox.min_lat_udeg * q < Decimal(lat) < bbox.max_lat_udeg * q
+        bbox.min_lon_udeg * q < Decimal(repr(lon)) < bbox.max_lon_udeg * q
+        and bbox.min_lat_udeg * q < Decimal(repr(lat)) < bbox.max_lat_udeg * q
+        and e[0] < lon < e[2]
+        and e[1] < lat < e[3]
     )
 
 
@@ -283,17 +287,44 @@ def test_strictness_on_the_published_edges() -> None:
 
 def test_temporal_cloak() -> None:
     history = ArrayFixHistory(["a", "b", "c"], [1000.0, 1010.0, 1030.0], [39.9, 39.9001, 39.9002], [116.4] * 3)
-    profile = PrivacyProfile(k=3, max_area_m2=4e6)
+    profile = PrivacyProfile(k=3, max_area_m2=4e6, min_area_m2=0.0)
     region = temporal_cloak(history, 39.9, 116.4, 1000.0, profile)
     assert isinstance(region, Region)
     cell = temporal_cell(39.9, 116.4, max_area_m2=4e6)
     assert isinstance(cell, TemporalCell)
     assert (region.bbox, region.area_m2, region.algorithm) == (cell.bbox, cell.area_m2, "temporal")
     assert (region.t_start, region.t_end, region.k_achieved) == (960, 1030, 3)
-    assert temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=4)) is None  # held
-    unsupported = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, l=2))
+    assert temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=4, min_area_m2=0.0)) is None  # held
+    unsupported = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, l=2, min_area_m2=0.0))
     assert isinstance(unsupported, Refusal) and unsupported.reason == ReasonCode.UNSUPPORTED
-    small = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, max_area_m2=1e-4))
+    small = temporal_cloak(history, 39.9, 116.4, 1000.0, PrivacyProfile(k=2, max_area_m2=1e-4, min_area_m2=0.0))
     assert isinstance(small, Refusal) and small.reason == ReasonCode.AREA_EXCEEDED
     with pytest.raises(ValueError, match="k"):
         temporal_window(history, cell.bbox, 1000.0, 0)
+
+
+@pytest.mark.parametrize("max_area", [1.0e4, 4.0e6])
+def test_querier_on_a_cell_edge_is_strictly_inside_its_cell(max_area: float) -> None:
+    """A querier sent as the text of a cell's upper edge (a whole micro-degree) belongs to the cell
+    above it, whose published lower edge is one micro-degree below: strictly inside as a client reads
+    it. With the old keys, a float whose binary value is below that micro-degree stayed in the lower
+    cell, whose published upper edge then equalled the querier's coordinate."""
+    from fractions import Fraction
+
+    below = 0
+    for lat0, lon0 in [(39.9, 116.4), (39.91, 116.41), (-33.87, 151.21), (40.7, -74.0), (51.5, -0.12)]:
+        cell = temporal_cell(lat0, lon0, max_area_m2=max_area)
+        assert isinstance(cell, TemporalCell)
+        b = cell.bbox
+        for lat, lon in [
+            (lat0, b.max_lon_udeg / 1e6),
+            (b.max_lat_udeg / 1e6, lon0),
+            (b.max_lat_udeg / 1e6, b.max_lon_udeg / 1e6),
+        ]:
+            below += Fraction(lon) < Fraction(b.max_lon_udeg, 10**6) or Fraction(lat) < Fraction(b.max_lat_udeg, 10**6)
+            there = temporal_cell(lat, lon, max_area_m2=max_area)
+            assert isinstance(there, TemporalCell)
+            assert strictly_inside(there.bbox, lat, lon), (there.bbox, lat, lon)
+            e = there.bbox.to_geojson()
+            assert lon not in (e[0], e[2]) and lat not in (e[1], e[3])
+    assert below > 0  # some of these floats lie below their decimal: the case the old keys got wrong
