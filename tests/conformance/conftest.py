@@ -147,15 +147,18 @@ class Servers:
         self._n = 0
 
     def lbs(self) -> str:
-        """A real ``kcloak lbs`` (bundled Beijing POIs) on a free port; returns its base URL."""
-        port = free_port()
-        log = open(self.tmp_path / f"lbs-{port}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            kcloak("lbs", "--http", f"127.0.0.1:{port}"), stdout=log, stderr=log, cwd=ROOT, start_new_session=True
-        )
-        self.procs.append(proc)
-        wait_http(f"http://127.0.0.1:{port}/healthz", proc=proc)
-        return f"http://127.0.0.1:{port}"
+        """The base URL of a real ``kcloak lbs`` (bundled Beijing POIs) on a free port. It is stateless,
+        so one process serves the whole session (started on first use, stopped at the end)."""
+        global _SESSION_LBS
+        if _SESSION_LBS is None or _SESSION_LBS[0].poll() is not None:
+            port = free_port()
+            log = open(self.tmp_path / f"lbs-{port}.log", "wb")  # noqa: SIM115 - closed with the process
+            proc = subprocess.Popen(
+                kcloak("lbs", "--http", f"127.0.0.1:{port}"), stdout=log, stderr=log, cwd=ROOT, start_new_session=True
+            )
+            wait_http(f"http://127.0.0.1:{port}/healthz", proc=proc)
+            _SESSION_LBS = (proc, f"http://127.0.0.1:{port}")
+        return _SESSION_LBS[1]
 
     def serve(
         self,
@@ -213,6 +216,20 @@ class Servers:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+_SESSION_LBS: tuple[subprocess.Popen[bytes], str] | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_session_lbs() -> Iterator[None]:
+    yield
+    if _SESSION_LBS is not None and _SESSION_LBS[0].poll() is None:
+        _SESSION_LBS[0].terminate()
+        try:
+            _SESSION_LBS[0].wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            _SESSION_LBS[0].kill()
 
 
 @pytest.fixture
