@@ -68,6 +68,9 @@ class Broker:
         try:
             await self._start()
         except BaseException:
+            # The exit stack closes the TaskGroup without an exception, which waits for its tasks:
+            # cancel them first, or a startup failure (e.g. MQTT port in use) would hang forever.
+            await self._cancel_tasks()
             await self._stack.aclose()
             raise
         return self
