@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -26,6 +27,8 @@ from broker.auth import TokenLine, TokenStore, token_digest
 from broker.metrics import Metrics
 from broker.mqtt_intake import encode_packet, encode_utf8, split_frames
 from broker.mqtt_server import MqttServer, topic_matches
+from broker.service import Broker
+from tests.broker.conftest import SpyUpstream, broker_config
 
 needs_mosquitto_clients = pytest.mark.skipif(
     shutil.which("mosquitto_pub") is None or shutil.which("mosquitto_sub") is None,
@@ -578,3 +581,22 @@ def test_topic_filter_matching() -> None:
     assert topic_matches("kcloak/v1/published/#", "kcloak/v1/published")
     assert topic_matches("kcloak/v1/published/#", "kcloak/v1/published/trajectories")
     assert not topic_matches("kcloak/v1/broker/status", "kcloak/v1/broker/statuses")
+
+
+# -- wired into the Broker ----------------------------------------------------------------------
+async def test_broker_embedded_status_up_retained_then_down_on_graceful_stop(tmp_path: Path, spy: SpyUpstream) -> None:
+    """The Broker serves MQTT in-process: ``/healthz`` says connected, the retained status is ``up``,
+    and a graceful stop sends ``down`` to connected subscribers before closing their connections."""
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": "127.0.0.1:0"})
+    async with Broker(config=cfg) as b:
+        assert b.mqtt_port and b.state["mqtt"] == "connected"
+        c = await Raw.open(b.mqtt_port)
+        await c.connect("watcher")
+        await c.send(subscribe_packet("kcloak/v1/broker/status"))
+        assert (await c.packet())[0] == 0x90
+        first, body = await c.packet()
+        assert first == 0x33 and json.loads(body[2 + len("kcloak/v1/broker/status") + 2 :])["state"] == "up"
+    first, body = await c.packet()
+    down = json.loads(body[2 + len("kcloak/v1/broker/status") + 2 :])
+    assert first & 0xF0 == 0x30 and down["state"] == "down" and isinstance(down["t"], float)
+    assert await c.closed()
