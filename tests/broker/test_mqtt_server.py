@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import shutil
 import socket
@@ -20,6 +21,8 @@ from typing import Any
 
 import paho.mqtt.client as paho
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from paho.mqtt.enums import CallbackAPIVersion
 
 from broker import __version__
@@ -600,3 +603,65 @@ async def test_broker_embedded_status_up_retained_then_down_on_graceful_stop(tmp
     down = json.loads(body[2 + len("kcloak/v1/broker/status") + 2 :])
     assert first & 0xF0 == 0x30 and down["state"] == "down" and isinstance(down["t"], float)
     assert await c.closed()
+
+
+async def test_reading_pauses_while_too_many_acknowledgements_wait() -> None:
+    """A client that pipelines QoS 1 messages faster than kcloak makes them durable is read no
+    further (its socket fills up) until the acknowledgements drain: bounded memory per connection."""
+    rec = Recorder(hold=True)
+    async with running(rec, max_pending_acks=4) as srv:
+        c = await Raw.open(srv.port)
+        await c.connect()
+        for pid in range(1, 11):
+            await c.send(publish_packet("kcloak/v1/update/alice", b"{%d}" % pid, pid=pid))
+            await asyncio.sleep(0.05)
+        assert len(rec.calls) == 5  # the fifth waiting acknowledgement paused reading
+        while len(rec.calls) < 10:
+            for fut in rec.futures:
+                if not fut.done():
+                    fut.set_result(None)
+            await asyncio.sleep(0.05)
+        for fut in rec.futures:
+            if not fut.done():
+                fut.set_result(None)
+        assert [await c.packet() for _ in range(10)] == [puback(pid) for pid in range(1, 11)]
+        c.close()
+
+
+async def test_nothing_a_client_sends_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    secrets_sent = ("secret-client-77", "alice", "tok-alice-9", "39.987654", "q-secret-5")
+    async with running(Recorder(), tokens=_tokens(alice="tok-alice-9")) as srv:
+        c = await Raw.open(srv.port)
+        await c.connect("secret-client-77", user="alice", password="tok-alice-9", will=("kcloak/v1/x", b"w", False))
+        await c.send(publish_packet("kcloak/v1/update/alice", b'{"lat": 39.987654}', pid=1))
+        await c.send(publish_packet("kcloak/v1/query/bob", b'{"query_id": "q-secret-5"}', pid=2))
+        await c.send(subscribe_packet("kcloak/v1/answer/alice", "secret-client-77/#"))
+        await c.send(b"\x30\xff\xff\xff\xff\x01")  # malformed: closes
+        assert await c.closed()
+        bad = await Raw.open(srv.port)
+        assert (await bad.connect("secret-client-77", user="alice", password="wrong"))[1] == 4
+    assert caplog.records  # something was logged (the listening port)
+    assert not [s for s in secrets_sent if s in caplog.text]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.binary(min_size=1, max_size=300))
+async def test_random_bytes_after_connect_never_break_the_server(garbage: bytes) -> None:
+    errors: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        async with running(Recorder()) as srv:
+            evil = await Raw.open(srv.port)
+            await evil.connect("evil")
+            await evil.send(garbage)
+            good = await Raw.open(srv.port)
+            await good.connect("good")
+            await good.send(publish_packet("kcloak/v1/update/alice", b"{}", pid=3))
+            assert await good.packet() == puback(3)
+            evil.close()
+            good.close()
+    finally:
+        loop.set_exception_handler(None)
+    assert errors == []
