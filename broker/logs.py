@@ -3,7 +3,7 @@
 ``log_event(logger, "query_answered", status="ok", algorithm="hilbert")`` writes
 ``{"t": …, "level": "info", "event": "query_answered", "status": "ok", …}``. Field values must
 be codes, counts, durations or configuration values: never a user id, query id, coordinate,
-token or payload. Records of third-party loggers (aiohttp access, amqtt) keep only their
+token or payload. Records of third-party loggers (aiohttp access, aiomqtt) keep only their
 level, logger name and an event name; their free text, which can hold client ids and
 addresses, is dropped.
 """
@@ -56,7 +56,7 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     root.addHandler(handler)
     root.setLevel(level.upper())
     # Chatty libraries: their messages carry client ids and addresses; keep warnings only.
-    for name in ("amqtt", "transitions", "aiohttp.access", "aiomqtt"):
+    for name in ("aiohttp.access", "aiomqtt"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

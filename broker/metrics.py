@@ -126,6 +126,28 @@ class Metrics:
         for store in STORES:
             self.store_healthy.labels(store=store).set(1)
             self.store_write_failures.labels(store=store)
+        # The embedded MQTT server (broker/mqtt_server.py); labels are fixed reason codes, never a client id.
+        self.mqtt_connections = Gauge(
+            "kcloak_mqtt_connections", "Clients connected to the embedded MQTT server", registry=r
+        )
+        self.mqtt_connects_refused = Counter(
+            "kcloak_mqtt_connects_refused",
+            "CONNECTs the embedded MQTT server refused or timed out",
+            ["reason"],
+            registry=r,
+        )
+        self.mqtt_disconnects = Counter(
+            "kcloak_mqtt_disconnects", "Connections the embedded MQTT server ended, by cause", ["reason"], registry=r
+        )
+        self.mqtt_server_dropped = Counter(
+            "kcloak_mqtt_server_dropped",
+            "Messages the embedded MQTT server dropped outside kcloak's input topics",
+            ["reason"],
+            registry=r,
+        )
+        self.mqtt_subscriptions_refused = Counter(
+            "kcloak_mqtt_subscriptions_refused", "Topic filters refused by the embedded MQTT server's ACL", registry=r
+        )
 
     def store_write(self, store: str, ok: bool) -> None:
         """Record a store write outcome (the ``listener`` of :class:`broker.stores.WriteHealth`)."""

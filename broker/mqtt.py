@@ -1,13 +1,16 @@
-"""The MQTT door (contract §3), and the embedded broker's child process.
+"""The MQTT door (contract §3), over one of two transports.
 
-Intake connections subscribe to the four ingest filters (QoS 1; ``$share/kcloak/…`` when there
-are several); one more connection publishes answers and status messages, with the retained
-``down`` status as its last will. Both speak MQTT 3.1.1 through the lean asyncio client of
-:mod:`broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop turn, a byte at a
-time, which capped the broker far below its targets); the tests drive the broker with aiomqtt as
-an independent client. Each message is parsed and handed to the same
-:class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and counted, never fatal,
-never visible to other users.
+``embedded`` (the default): kcloak's own MQTT 3.1.1 server runs in this process
+(:class:`~broker.mqtt_server.MqttServer`); it hands every input message to :meth:`MqttDoor.dispatch`
+and acknowledges it only once dispatch says it is durable, and answers and status messages go out
+through :meth:`MqttServer.publish`. No child process, no client connection, nothing that outlives
+``kill -9``. External (``mqtt://…``): intake connections subscribe to the four ingest filters (QoS 1;
+``$share/kcloak/…`` when there are several); one more connection publishes answers and status
+messages, with the retained ``down`` status as its last will. Both speak MQTT 3.1.1 through the lean
+asyncio client of :mod:`broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop
+turn, a byte at a time, which capped the broker far below its targets). Each message is parsed and
+handed to the same :class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and
+counted, never fatal, never visible to other users.
 """
 
 from __future__ import annotations
@@ -17,26 +20,24 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import secrets
 import socket
-import sys
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from broker import __version__
+from broker.auth import TokenStore
 from broker.config import Config, parse_listen
 from broker.logs import log_event
 from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from broker.mqtt_server import INPUT_KINDS, MqttServer
 from broker.pipeline import Duplicate, Pipeline, QueryRejected
-from broker.validation import MalformedJson, parse_json_object, valid_user_id
+from broker.validation import parse_json_object, valid_user_id
 from cloaking.profile import ProfileError
 
 log = logging.getLogger("kcloak.mqtt")
 
-TOPICS = ("update", "updates", "profile", "query")
+TOPICS = INPUT_KINDS
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
 
@@ -47,82 +48,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class EmbeddedMqtt:
-    """The amqtt broker in a child process on a loopback address (async context manager)."""
-
-    def __init__(self, *, listen: str, tokens_file: str | None, data_dir: Path, published_readers: list[str]) -> None:
-        self.listen = listen
-        self.tokens_file = tokens_file
-        self.data_dir = data_dir
-        self.readers = published_readers
-        self.service_secret: str | None = None
-        self._proc: asyncio.subprocess.Process | None = None
-
-    async def __aenter__(self) -> EmbeddedMqtt:
-        cmd = [sys.executable, "-m", "broker.embedded_mqtt", "--listen", self.listen]
-        if self.tokens_file:
-            self.service_secret = secrets.token_urlsafe(32)
-            secret_path = self.data_dir / "embedded-mqtt.secret"
-            fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.service_secret)
-            cmd += ["--tokens", self.tokens_file, "--service-secret", str(secret_path)]
-            if self.readers:
-                cmd += ["--published-readers", *self.readers]
-        # A session of its own: a terminal's Ctrl-C reaches the broker only, which stops this child
-        # itself (leaving this context on every path); the child also exits if the broker dies.
-        self._proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True
-        )
-        assert self._proc.stdout is not None
-        try:
-            async with asyncio.timeout(15):
-                line = await self._proc.stdout.readline()
-        except TimeoutError:
-            line = b""
-        if line.strip() != b"ready":
-            await self._stop()
-            raise OSError(f"embedded MQTT broker could not listen on {self.listen}")
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self._stop()
-
-    async def _stop(self) -> None:
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            async with asyncio.timeout(5):
-                await proc.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        except BaseException:  # cancelled: never leave the child running
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            raise
-
-
 class MqttDoor:
-    """Intake and publishing over MQTT; runs until cancelled, reconnecting with backoff."""
+    """Intake and publishing over MQTT; :meth:`run` runs until cancelled.
+
+    Keyword arguments: ``pipeline``, ``config``, ``tokens_mode``, ``state`` (the broker's health
+    state), and for an external broker ``host``, ``port``, ``username``, ``password`` (its client
+    connections reconnect with backoff). For the embedded mode, :meth:`embedded_server` builds the
+    in-process server that feeds this door instead.
+    """
 
     def __init__(
         self,
         *,
         pipeline: Pipeline,
         config: Config,
-        host: str,
-        port: int,
-        username: str | None,
-        password: str | None,
         tokens_mode: bool,
         state: dict[str, Any],
+        host: str = "",
+        port: int = 0,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
@@ -133,6 +78,7 @@ class MqttDoor:
         self.tokens_mode = tokens_mode
         self.state = state
         self.metrics = pipeline.metrics
+        self._server: MqttServer | None = None
         self._publisher: PublishConnection | None = None
         self._publish_ready = asyncio.Event()
         self._inflight = 0
@@ -140,19 +86,53 @@ class MqttDoor:
         self._pending_fixes: list[tuple[str, Any]] = []
         self._pending_done: asyncio.Future[Any] | None = None
         self._held: asyncio.Future[Any] | None = None  # never done: messages received while closing
-        self.connections = 1 if config.mqtt.mode == "embedded" else config.mqtt.ingest_connections
-        if config.mqtt.mode == "embedded" and config.mqtt.ingest_connections > 1:
-            log_event(log, "shared_subscriptions_unavailable", logging.WARNING, ingest_connections=1)
+        self.connections = config.mqtt.ingest_connections
+
+    def embedded_server(self, *, host: str, port: int, tokens: TokenStore | None) -> MqttServer:
+        """The in-process MQTT server whose input is this door's :meth:`dispatch` (enter it before
+        :meth:`run`): the contract's ACL, PUBACK once durable, packets over the updates limit
+        (``limits.batch_bytes`` + 64 KiB) skipped, offline sessions kept ``sessions.max_s``."""
+        cfg = self.config
+        self._server = MqttServer(
+            host=host,
+            port=port,
+            tokens=tokens,
+            published_readers=frozenset(cfg.auth.published_readers),
+            dispatch=self.dispatch,
+            dropped=self.dropped,
+            max_packet_bytes=cfg.limits.batch_bytes + 64 * 1024,
+            session_expiry_s=cfg.sessions.max_s,
+            metrics=self.metrics,
+        )
+        return self._server
 
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
             await self._publish_ready.wait()
 
     async def run(self) -> None:
+        if self._server is not None:
+            await self._run_embedded(self._server)
+            return
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._publisher_loop())
             for i in range(self.connections):
                 tg.create_task(self._intake_loop(i))
+
+    async def _run_embedded(self, server: MqttServer) -> None:
+        """Retained status ``up`` now, ``down`` on a graceful stop (on ``kill -9`` the listening
+        socket dies with the process, which every client sees)."""
+        server.publish(STATUS_TOPIC, self._status("up"), retain=True)
+        self._publish_ready.set()
+        self.state["mqtt"] = "connected"
+        self.metrics.mqtt_connected.set(1)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._publish_ready.clear()
+            self.metrics.mqtt_connected.set(0)
+            if server.listening:
+                server.publish(STATUS_TOPIC, self._status("down"), retain=True)
 
     async def _publisher_loop(self) -> None:
         backoff = 0.2
@@ -233,6 +213,9 @@ class MqttDoor:
                 backoff[0] = min(backoff[0] * 2, 5.0)
 
     async def publish(self, topic: str, payload: dict[str, Any]) -> None:
+        if self._server is not None:
+            self._server.publish(topic, json.dumps(payload, separators=(",", ":")).encode())
+            return
         try:
             if not self._publish_ready.is_set():
                 await self.wait_connected(5.0)
@@ -252,7 +235,13 @@ class MqttDoor:
         """Publish at QoS 1 and return once the MQTT broker acknowledged it (published windows).
 
         Raises :class:`MqttIntakeError` when not connected or when no PUBACK came within ``timeout_s``.
+        The embedded server takes it at once (queued for offline persistent sessions).
         """
+        if self._server is not None:
+            if not self._server.listening:
+                raise MqttIntakeError("embedded MQTT server stopped")
+            self._server.publish(topic, payload)
+            return
         try:
             await self.wait_connected(timeout_s)
         except TimeoutError:
@@ -324,7 +313,7 @@ class MqttDoor:
             return None
         try:
             obj = parse_json_object(payload)
-        except MalformedJson:
+        except (ValueError, RecursionError):  # MalformedJson, or any parser error (e.g. an integer too long)
             self._drop(kind, "malformed_json")
             return None
         if kind == "update":

@@ -166,7 +166,6 @@ def event_loop_factory(default: str = "asyncio") -> Callable[[], asyncio.Abstrac
 
     ``kcloak serve`` defaults to asyncio: with uvloop, ``kcloak bench broker`` took a third of the
     MQTT updates/s (its transports hand the intake protocol smaller chunks) and fewer HTTP updates/s.
-    The embedded MQTT child defaults to uvloop (amqtt spends about an eighth less CPU per message).
     """
     if os.environ.get("KCLOAK_EVENT_LOOP", default) != "uvloop":
         return None

@@ -41,8 +41,8 @@ class Broker:
     """The trusted anonymizer service.
 
     Keyword arguments: ``config`` (the effective :class:`Config`), ``tokens`` (a
-    :class:`TokenStore`, or None for open mode) and ``tokens_path`` (its file, which the
-    embedded MQTT broker reads to authenticate users).
+    :class:`TokenStore`, or None for open mode; the embedded MQTT server authenticates with it too)
+    and ``tokens_path`` (its file, kept for reference).
     """
 
     def __init__(self, *, config: Config, tokens: TokenStore | None = None, tokens_path: str | None = None) -> None:
@@ -65,6 +65,9 @@ class Broker:
         try:
             await self._start()
         except BaseException:
+            # The exit stack closes the TaskGroup without an exception, which waits for its tasks:
+            # cancel them first, or a startup failure (e.g. MQTT port in use) would hang forever.
+            await self._cancel_tasks()
             await self._stack.aclose()
             raise
         return self
@@ -127,7 +130,7 @@ class Broker:
         self._tasks.append(self._tg.create_task(self.pipeline.run_housekeeping(), name="housekeeping"))
         self._tasks.append(self._tg.create_task(self.pipeline.run_sessions(), name="sessions"))
         if cfg.mqtt.mode != "none":
-            await self._start_mqtt(data.path)
+            await self._start_mqtt()
         self._start_publication(data.path, movement)
         self._stack.push_async_callback(self._cancel_tasks)
         if cfg.http.listen != "none":
@@ -183,41 +186,38 @@ class Broker:
             self.pipeline.retention_floor = publication.retention_floor
             self._tasks.append(self._tg.create_task(publication.run(), name="publication"))
 
-    async def _start_mqtt(self, data_dir: Path) -> None:
-        from broker.mqtt import EmbeddedMqtt, MqttDoor, external_target
+    async def _start_mqtt(self) -> None:
+        """The MQTT door: embedded, kcloak's own MQTT server in this process (port in use →
+        :class:`StartupError` at once); external, client connections to ``mqtt://…``."""
+        from broker.mqtt import MqttDoor, external_target
 
         assert self.pipeline is not None and self._tg is not None
         cfg = self.config
         if cfg.mqtt.mode == "embedded":
             host, port = parse_listen(cfg.mqtt.listen)
-            embedded = EmbeddedMqtt(
-                listen=f"{host}:{port}",
-                tokens_file=self.tokens_path,
-                data_dir=data_dir,
-                published_readers=list(cfg.auth.published_readers),
-            )
+            door = MqttDoor(pipeline=self.pipeline, config=cfg, tokens_mode=self.tokens is not None, state=self.state)
+            server = door.embedded_server(host=host, port=port, tokens=self.tokens)
             try:
-                await self._stack.enter_async_context(embedded)
+                await self._stack.enter_async_context(server)
             except OSError as exc:
-                raise StartupError(str(exc)) from None
-            username = "_kcloak" if self.tokens_path else None
-            password = embedded.service_secret
+                raise StartupError(f"MQTT: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+            port = server.port
         else:
             host, port, username = external_target(cfg)
             password = None
             if cfg.mqtt.password_file:
                 password = Path(cfg.mqtt.password_file).read_text(encoding="utf-8").strip()
+            door = MqttDoor(
+                pipeline=self.pipeline,
+                config=cfg,
+                tokens_mode=self.tokens is not None,
+                state=self.state,
+                host=host,
+                port=port,
+                username=username,
+                password=password,
+            )
         self.mqtt_port = port
-        door = MqttDoor(
-            pipeline=self.pipeline,
-            config=cfg,
-            host=host,
-            port=port,
-            username=username,
-            password=password,
-            tokens_mode=self.tokens is not None,
-            state=self.state,
-        )
         self.mqtt = door
 
         async def publish_session_status(user: str, body: dict[str, Any]) -> None:

@@ -1,0 +1,77 @@
+"""``kill -9`` of ``kcloak serve``: its MQTT port must die with it.
+
+Defect: the embedded broker ran as a child process in a session of its own; after a ``kill -9``
+of kcloak it kept accepting connections and acknowledging publishes for 16 s with nobody behind
+it, so apps believed their fixes were taken. Now nothing of kcloak keeps running: the MQTT port
+refuses connections within a second, and no process that kcloak started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tests.conformance.conftest import Servers
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process whose parent chain leads to ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_kill9_closes_the_mqtt_port_and_leaves_nothing_running(servers: Servers) -> None:
+    served = servers.serve()
+    port = served.mqtt_port
+    assert port is not None
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id="app", protocol=paho.MQTTv311)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    info = client.publish("kcloak/v1/update/app", json.dumps({"t": time.time(), "lat": 39.9, "lon": 116.4}), qos=1)
+    info.wait_for_publish(timeout=10)
+    assert info.is_published()
+    spawned = _descendants(served.proc.pid)
+    served.kill9()
+    t0 = time.monotonic()
+    while _accepts(port) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    gone_after = time.monotonic() - t0
+    time.sleep(0.3)
+    connected_after = client.is_connected()
+    client.loop_stop()
+    assert gone_after < 1.0, f"the MQTT port still accepted connections {gone_after:.1f} s after kill -9"
+    assert not connected_after  # the app's own connection saw kcloak go
+    alive = {pid for pid in spawned if Path(f"/proc/{pid}").exists()}
+    for pid in alive:  # do not leave them behind, whatever the verdict
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    assert alive == set(), "processes started by kcloak outlived it"
