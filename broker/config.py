@@ -58,6 +58,7 @@ class MqttConfig:
     username: str = _c("_kcloak", "service account used with mqtt://")
     password_file: str = _c("")
     ingest_connections: int = _c(1)
+    connect_timeout_s: float = _c(10.0, "extension: embedded server, time to a complete CONNECT")
 
 
 @dataclass(frozen=True, slots=True)

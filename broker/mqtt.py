@@ -102,6 +102,7 @@ class MqttDoor:
             dropped=self.dropped,
             max_packet_bytes=cfg.limits.batch_bytes + 64 * 1024,
             session_expiry_s=cfg.sessions.max_s,
+            connect_timeout_s=cfg.mqtt.connect_timeout_s,
             metrics=self.metrics,
         )
         return self._server
