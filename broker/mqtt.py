@@ -27,7 +27,7 @@ from typing import Any
 
 from broker import __version__
 from broker.auth import TokenStore
-from broker.config import Config, parse_listen
+from broker.config import Config
 from broker.logs import log_event
 from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from broker.mqtt_server import INPUT_KINDS, MqttServer
@@ -431,10 +431,6 @@ def intake_client_id(config: Config, i: int) -> str:
     absolute data directory, which one ``kcloak serve`` at a time owns (it is locked)."""
     where = str(Path(config.storage.data_dir).resolve())
     return f"kcloak-{hashlib.sha256(where.encode()).hexdigest()[:12]}-in{i}"
-
-
-def embedded_listen(config: Config) -> tuple[str, int]:
-    return parse_listen(config.mqtt.listen)
 
 
 def external_target(config: Config) -> tuple[str, int, str | None]:

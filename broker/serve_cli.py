@@ -115,16 +115,16 @@ def effective_config(args: argparse.Namespace) -> Config:
     return cfg.with_values(values)
 
 
-def resolve_tokens(cfg: Config) -> tuple[TokenStore | None, str | None]:
+def resolve_tokens(cfg: Config) -> TokenStore | None:
     from broker.auth import TokenStore
 
     path = cfg.auth.tokens
     if not path:
         default = Path(cfg.storage.data_dir) / "tokens"
         if not default.exists():
-            return None, None
+            return None
         path = str(default)
-    return TokenStore.from_file(path), path
+    return TokenStore.from_file(path)
 
 
 def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
@@ -150,14 +150,14 @@ def run(args: argparse.Namespace) -> int:
         if args.print_config:
             sys.stdout.write(cfg.to_toml())
             return 0
-        tokens, tokens_path = resolve_tokens(cfg)
+        tokens = resolve_tokens(cfg)
         check_exposure(cfg, tokens)
     except (ConfigError, TokensFileError) as exc:
         print(f"kcloak serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.format)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(_serve(cfg, tokens, tokens_path))
+        return runner.run(_serve(cfg, tokens))
 
 
 def event_loop_factory(default: str = "asyncio") -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -198,13 +198,13 @@ def settle_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
-async def _serve(cfg: Config, tokens: TokenStore | None, tokens_path: str | None) -> int:
+async def _serve(cfg: Config, tokens: TokenStore | None) -> int:
     import asyncio
 
     from broker.service import Broker, StartupError
 
     try:
-        broker = Broker(config=cfg, tokens=tokens, tokens_path=tokens_path)
+        broker = Broker(config=cfg, tokens=tokens)
         async with broker:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):

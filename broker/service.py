@@ -41,14 +41,12 @@ class Broker:
     """The trusted anonymizer service.
 
     Keyword arguments: ``config`` (the effective :class:`Config`), ``tokens`` (a
-    :class:`TokenStore`, or None for open mode; the embedded MQTT server authenticates with it too)
-    and ``tokens_path`` (its file, kept for reference).
+    :class:`TokenStore`, or None for open mode; the embedded MQTT server authenticates with it too).
     """
 
-    def __init__(self, *, config: Config, tokens: TokenStore | None = None, tokens_path: str | None = None) -> None:
+    def __init__(self, *, config: Config, tokens: TokenStore | None = None) -> None:
         self.config = config
         self.tokens = tokens
-        self.tokens_path = tokens_path
         self.mqtt: Any = None
         self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
         self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}

@@ -85,7 +85,7 @@ async def test_embedded_broker_with_tokens_enforces_the_acl(tmp_path: Path, spy:
     tokens_file.write_text("alice:tokA\nbob:tokB\n")
     cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
     tokens = TokenStore.from_file(tokens_file)
-    async with Broker(config=cfg, tokens=tokens, tokens_path=str(tokens_file)) as b:
+    async with Broker(config=cfg, tokens=tokens) as b:
         for user, password in (("alice", "wrong"), ("mallory", "tokA")):
             try:
                 async with aiomqtt.Client("127.0.0.1", mqtt_port, username=user, password=password):

@@ -617,7 +617,7 @@ async def test_published_data_only_for_published_readers(tmp_path: Path, spy: Sp
     )
     tokens = TokenStore.from_file(tokens_file)
     async with (
-        Broker(config=cfg, tokens=tokens, tokens_path=str(tokens_file)) as b,
+        Broker(config=cfg, tokens=tokens) as b,
         aiohttp.ClientSession() as http,
         aiomqtt.Client("127.0.0.1", mqtt_port, username="carol", password="tok-carol") as carol,
         aiomqtt.Client("127.0.0.1", mqtt_port, username="bob", password="tok-bob") as bob,
