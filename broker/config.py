@@ -330,7 +330,7 @@ def _with_comment(text: str, comment: str | None) -> str:
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (IPv6 hosts in brackets) → (host, port)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 <= int(port) <= 65535):
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not (0 <= int(port) <= 65535):
         raise ConfigError(f"listen address: expected HOST:PORT, got {value!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

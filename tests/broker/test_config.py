@@ -61,5 +61,8 @@ def test_listen_parsing_and_loopback() -> None:
     assert parse_listen("[::1]:80") == ("::1", 80)
     with pytest.raises(ConfigError):
         parse_listen("8470")
+    for unicode_digits in ("127.0.0.1:8\u00b2", "127.0.0.1:\u0663\u0663"):  # '²', Arabic-Indic '٣٣'
+        with pytest.raises(ConfigError):
+            parse_listen(unicode_digits)
     assert is_loopback("127.3.4.5") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.0.0.1")
