@@ -32,7 +32,7 @@ from broker.logs import log_event
 from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from broker.mqtt_server import INPUT_KINDS, MqttServer
 from broker.pipeline import Duplicate, Pipeline, QueryRejected
-from broker.validation import parse_json_object, valid_user_id
+from broker.validation import parse_json_object, valid_query_id, valid_user_id
 from cloaking.profile import ProfileError
 
 log = logging.getLogger("kcloak.mqtt")
@@ -379,11 +379,13 @@ class MqttDoor:
     async def _on_profile(self, user: str, obj: dict[str, Any]) -> None:
         request_id = obj.get("request_id")
         status: dict[str, Any] = {"kind": "profile"}
-        if isinstance(request_id, str):
+        # A request id is echoed only when it is one (contract §1: the query id pattern).
+        bad_request_id = "request_id" in obj and not valid_query_id(request_id)
+        if not bad_request_id and request_id is not None:
             status["request_id"] = request_id
         unknown = set(obj) - {"request_id", "profile"}
         reason: str | None = None
-        if unknown or "profile" not in obj:
+        if unknown or "profile" not in obj or bad_request_id:
             reason = "invalid"
         elif not self.pipeline.profile_rate_ok(user):
             reason = "rate_limited"

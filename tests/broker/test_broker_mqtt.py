@@ -58,6 +58,31 @@ async def test_bad_messages_are_dropped_and_counted(tmp_path: Path, spy: SpyUpst
     assert _count(text, "kcloak_updates_accepted_total") == 51
 
 
+async def test_profile_request_id_outside_its_pattern_is_refused_not_echoed(
+    tmp_path: Path, spy: SpyUpstream, mqtt_port: int
+) -> None:
+    """A profile message's ``request_id`` follows the query id pattern (contract §1); one that does
+    not (a trailing newline, 65 characters, a number) is refused ``invalid`` and never echoed."""
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    bad_ids: list[object] = ["p1\n", "x" * 65, 7]
+    async with Broker(config=cfg) as b, aiomqtt.Client("127.0.0.1", mqtt_port) as c:
+        await c.subscribe("kcloak/v1/status/alice", qos=1)
+        for rid in [*bad_ids, "p-ok"]:
+            await c.publish("kcloak/v1/profile/alice", json.dumps({"request_id": rid, "profile": {"k": 8}}), qos=1)
+        statuses = []
+        async with asyncio.timeout(5):
+            async for m in c.messages:
+                assert isinstance(m.payload, bytes)
+                statuses.append(json.loads(m.payload))
+                if len(statuses) == len(bad_ids) + 1:
+                    break
+        stored, _, _ = b.pipeline.get_profile("alice") if b.pipeline is not None else (None, None, None)
+    for st in statuses[:-1]:
+        assert (st["status"], st["reason"]) == ("refused", "invalid") and "request_id" not in st
+    assert statuses[-1]["status"] == "ok" and statuses[-1]["request_id"] == "p-ok"
+    assert stored is not None and stored.k == 8
+
+
 async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path, spy: SpyUpstream) -> None:
     """A retained fix left on the MQTT broker would replay at every restart: it is dropped."""
     from broker.bench import mosquitto
