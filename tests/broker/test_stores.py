@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
-from cloaking.profile import PrivacyProfile
+from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
+from kcloak.cloaking.profile import PrivacyProfile
 
 
 def test_data_dir_is_private_and_locked(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
         f"""
         import asyncio, sys
         from pathlib import Path
-        from broker.stores import MovementStore
+        from kcloak.broker.stores import MovementStore
         async def main():
             store = MovementStore(Path({str(db)!r}))
             for b in range(10_000):

@@ -1,4 +1,4 @@
-"""``kcloak demo``: end to end through ``broker.cli.main``, Ctrl-C, flags, and the street crop it drives on."""
+"""``kcloak demo``: end to end through ``kcloak.broker.cli.main``, Ctrl-C, flags, and the street crop it drives on."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from broker.cli import main
-from simulators.demo import crop_streets, demo_area, street_chains, traffic_end, write_osm
-from simulators.streets import StreetGraph, parse_osm
+from kcloak.broker.cli import main
+from kcloak.simulators.demo import crop_streets, demo_area, street_chains, traffic_end, write_osm
+from kcloak.simulators.streets import StreetGraph, parse_osm
 from tests.simulators.test_report import CONTRACT_KEYS, EXTENSION_KEYS
 
 FILES = ("summary.json", "map.png", "cloak_area.png", "achieved_k.png", "latency.png")
@@ -73,7 +73,18 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
     report = tmp_path / "report"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "broker.cli", "demo", "--users", "200", "--duration", "120", "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kcloak.broker.cli",
+        "demo",
+        "--users",
+        "200",
+        "--duration",
+        "120",
+        "--report",
+        str(report),
+    ]
     proc = subprocess.Popen(cmd, cwd=CHECKOUT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
