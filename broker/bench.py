@@ -183,7 +183,7 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "kcloak.broker.cli", "serve", *args, "--log-level", "warning"]
+    cmd = [sys.executable, "-I", "-m", "kcloak.broker.cli", "serve", *args, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kcloak.broker import __version__
+from kcloak import __version__
 
 # Modules that contribute subcommands, in the order ``--help`` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (

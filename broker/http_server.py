@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event

@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.logs import log_event, setup_logging
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeGuard
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.lbs import LbsEngine, LonLatBox
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS

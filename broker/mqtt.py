@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import cast
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics

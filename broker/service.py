@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, parse_listen
 from kcloak.broker.logs import log_event

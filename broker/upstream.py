@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.validation import parse_json_object

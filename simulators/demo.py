@@ -425,6 +425,7 @@ class ChildProcess:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-I",  # isolated: no current folder or PYTHONPATH on sys.path, so nothing there can shadow kcloak
                 "-m",
                 "kcloak.broker.cli",
                 *self.args,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.cli import UsageError
 
 CONTRACT_METHODS = ("nwa", "w4m", "microagg")

@@ -200,7 +200,7 @@ def run_in_subprocess(spec: RunSpec, *, time_limit_s: float, poll_s: float = 0.2
 
     The child's resident set is also sampled every ``poll_s`` so a killed run still reports a peak.
     """
-    cmd = [sys.executable, "-m", "kcloak.streams.bench", json.dumps(asdict(spec))]
+    cmd = [sys.executable, "-I", "-m", "kcloak.streams.bench", json.dumps(asdict(spec))]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampled = 0.0

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
 from kcloak.cloaking.tabular.km import KmAlgorithm, KmError, KmUnsatisfiable, release_places
 from kcloak.streams.publish import fresh_ids

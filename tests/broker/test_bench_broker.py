@@ -38,7 +38,7 @@ def test_short_run_reports_every_field_with_answered_queries() -> None:
 
 def test_cli_rejects_bad_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kcloak.broker.cli", "bench", "broker", "--duration", "0", "--json"],
+        [sys.executable, "-I", "-m", "kcloak.broker.cli", "bench", "broker", "--duration", "0", "--json"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -323,7 +323,7 @@ async def test_logs_hold_no_coordinates_ids_or_categories(
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kcloak.broker.cli", *args]
+    return [sys.executable, "-I", "-m", "kcloak.broker.cli", *args]
 
 
 async def _startup_url(proc: asyncio.subprocess.Process) -> str:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paho.mqtt.enums import CallbackAPIVersion
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.auth import TokenLine, TokenStore, token_digest
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.mqtt_intake import encode_packet, encode_utf8, split_frames

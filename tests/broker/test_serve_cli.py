@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kcloak.broker.cli", *args]
+    return [sys.executable, "-I", "-m", "kcloak.broker.cli", *args]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

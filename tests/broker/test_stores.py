@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sqlite3
 import stat
@@ -110,8 +109,7 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
         asyncio.run(main())
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-I", "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     acked = -1
     for line in proc.stdout:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kcloak.broker import __version__
+from kcloak import __version__
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.mqtt import free_port
 from kcloak.broker.upstream import MAX_RESPONSE_BYTES, Candidate, SearchRequest, UpstreamClient, UpstreamError

@@ -77,7 +77,7 @@ def test_parser_modules_import_nothing_heavy() -> None:
         "    importlib.import_module(name).add_parser(sub)\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([PYTHON, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"heavy modules imported while building the parsers: {out.strip()}"
 
 

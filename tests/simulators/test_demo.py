@@ -75,6 +75,7 @@ def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
+        "-I",
         "-m",
         "kcloak.broker.cli",
         "demo",
@@ -103,6 +104,25 @@ def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
     s = _check_report(report, 200)
     assert 1.0 < s["duration_s"] < 30
     assert "stopped early" in out
+
+
+def test_demo_runs_from_a_folder_whose_files_shadow_package_names(tmp_path: Path) -> None:
+    """Files named like kcloak's packages in the current folder change nothing: the demo and its
+    children (``-I -m kcloak.broker.cli``) put no current folder on ``sys.path`` (issue 14)."""
+    here = tmp_path / "work"
+    here.mkdir()
+    for name in ("broker", "streams", "kcloak", "cloaking", "simulators"):
+        (here / f"{name}.py").write_text(f"raise ImportError('the current folder\\'s {name}.py was imported')\n")
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-I", "-m", "kcloak.broker.cli", "demo", "--users", "50", "--duration", "5"]
+    proc = subprocess.run(
+        [*cmd, "--report", str(report), "--no-progress"], cwd=here, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "was imported" not in proc.stderr
+    assert "kcloak demo summary" in proc.stdout
+    s = json.loads((report / "summary.json").read_text())
+    assert s["users"] == 50 and s["updates"] > 0
 
 
 @pytest.mark.parametrize(
