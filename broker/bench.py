@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.mqtt import free_port
+from kcloak.broker.mqtt import free_port
 
 CENTRE = (39.9, 116.4)
 
@@ -135,7 +135,7 @@ def instant_upstream() -> Iterator[str]:
 
 @contextlib.contextmanager
 def mosquitto(workdir: Path) -> Iterator[tuple[int, str]]:
-    from broker.mosquitto import AUTOSAVE_S, INFLIGHT_MESSAGES, QUEUED_BYTES, QUEUED_MESSAGES
+    from kcloak.broker.mosquitto import AUTOSAVE_S, INFLIGHT_MESSAGES, QUEUED_BYTES, QUEUED_MESSAGES
 
     exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
     if exe is None:
@@ -183,7 +183,7 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "broker.cli", "serve", *args, "--log-level", "warning"]
+    cmd = [sys.executable, "-I", "-m", "kcloak.broker.cli", "serve", *args, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
@@ -237,7 +237,7 @@ def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], durati
 def _http_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
     """Single-fix POSTs over 128 keep-alive connections with the simulators' lean HTTP/1.1 client
     (aiohttp's client costs as much CPU as the server, which would make the client the bottleneck)."""
-    from simulators.transport import HttpClient
+    from kcloak.simulators.transport import HttpClient
 
     async def connection(http: HttpClient, offset: int, end: float) -> None:
         i = offset
@@ -259,7 +259,7 @@ def _http_query_worker(
     port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
 ) -> None:
     """kNN queries with the lean HTTP/1.1 client: 64 in a closed loop, or open loop at ``rate``/s."""
-    from simulators.transport import HttpClient
+    from kcloak.simulators.transport import HttpClient
 
     async def main() -> None:
         end = time.monotonic() + duration_s
@@ -307,7 +307,7 @@ def _mqtt_query_worker(
 ) -> None:
     """Queries at QoS 0 and answers read with the lean MQTT client (paho reads a byte at a time,
     which would make this process the bottleneck); at most :data:`QUERY_WINDOW` queries outstanding when closed-loop."""
-    from broker.mqtt_intake import Incoming, IntakeConnection
+    from kcloak.broker.mqtt_intake import Incoming, IntakeConnection
 
     async def main() -> None:
         window = asyncio.Semaphore(QUERY_WINDOW)

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers
+from kcloak.broker.cli import UsageError
+from kcloak.cloaking.bench_cli import bench_subparsers
 
 
 def add_parser(subparsers: Any) -> None:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from broker.bench import BrokerBenchConfig, run_broker_bench
+    from kcloak.broker.bench import BrokerBenchConfig, run_broker_bench
 
     if args.duration <= 0 or args.users < 10 or args.clients < 1:
         raise UsageError("--duration must be > 0, --users ≥ 10, --clients ≥ 1")

@@ -12,23 +12,23 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from broker import __version__
+from kcloak import __version__
 
 # Modules that contribute subcommands, in the order ``--help`` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "broker.serve_cli",
-    "broker.mosquitto",
-    "cloaking.bench_cli",
-    "broker.lbs_cli",
-    "broker.lbs_bench",
-    "broker.bench_cli",
-    "streams.anonymize_cli",
-    "streams.bench_cli",
-    "cloaking.audit_cli",
-    "simulators.demo_cli",
-    "simulators.cli",
-    "streams.release_cli",
-    "streams.bench_release",
+    "kcloak.broker.serve_cli",
+    "kcloak.broker.mosquitto",
+    "kcloak.cloaking.bench_cli",
+    "kcloak.broker.lbs_cli",
+    "kcloak.broker.lbs_bench",
+    "kcloak.broker.bench_cli",
+    "kcloak.streams.anonymize_cli",
+    "kcloak.streams.bench_cli",
+    "kcloak.cloaking.audit_cli",
+    "kcloak.simulators.demo_cli",
+    "kcloak.simulators.cli",
+    "kcloak.streams.release_cli",
+    "kcloak.streams.bench_release",
 )
 
 
@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under ``python -m broker.cli`` this file runs as ``__main__``, a second copy beside the
-    # ``broker.cli`` the subcommands import: run the canonical one, so that its UsageError is caught.
-    from broker.cli import main as canonical_main
+    # Under ``python -m kcloak.broker.cli`` this file runs as ``__main__``, a second copy beside the
+    # ``kcloak.broker.cli`` the subcommands import: run the canonical one, so that its UsageError is caught.
+    from kcloak.broker.cli import main as canonical_main
 
     raise SystemExit(canonical_main())

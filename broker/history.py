@@ -3,19 +3,19 @@
 Every accepted fix is appended (it is also in the durable movement store, from which the
 history is reloaded at start-up); fixes older than ``keep_s`` are dropped. ``fixes_in`` returns
 the fixes of a time range inside a bbox's float envelope — a superset that
-:func:`cloaking.temporal.temporal_window` narrows with exact keys.
+:func:`kcloak.cloaking.temporal.temporal_window` narrows with exact keys.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from cloaking.geometry import UDEG_PER_DEG, BBox
-from cloaking.temporal import Fixes
+from kcloak.cloaking.geometry import UDEG_PER_DEG, BBox
+from kcloak.cloaking.temporal import Fixes
 
 
 class RecentFixes:
-    """Implements :class:`cloaking.temporal.FixHistory` over the last ``keep_s`` seconds."""
+    """Implements :class:`kcloak.cloaking.temporal.FixHistory` over the last ``keep_s`` seconds."""
 
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s

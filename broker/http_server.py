@@ -21,15 +21,15 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from broker import __version__
-from broker.auth import TokenStore
-from broker.config import Config
-from broker.logs import log_event
-from broker.metrics import Metrics
-from broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
-from broker.publication import WindowPublisher
-from broker.stores import StoreError
-from broker.validation import (
+from kcloak import __version__
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.config import Config
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
+from kcloak.broker.publication import WindowPublisher
+from kcloak.broker.stores import StoreError
+from kcloak.broker.validation import (
     USER_ID_RULE,
     InvalidInput,
     MalformedJson,
@@ -38,7 +38,7 @@ from broker.validation import (
     parse_json_object,
     valid_user_id,
 )
-from cloaking.profile import ProfileError, ReasonCode
+from kcloak.cloaking.profile import ProfileError, ReasonCode
 
 log = logging.getLogger("kcloak.http")
 
@@ -525,7 +525,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    from broker.openapi import broker_openapi
+    from kcloak.broker.openapi import broker_openapi
 
     return web.json_response(broker_openapi())
 

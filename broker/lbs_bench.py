@@ -3,7 +3,7 @@
 A seeded stream of typical cloaked regions over a POI file (the bundled Beijing POIs by default):
 boxes of 0.01 km² up to ``--max-area-m2`` around POIs, aspect ratio up to about 3:1, kNN with
 ``n`` in 1..``--n-max`` and range with a radius of 100 m to 2 km, half without and half with a
-category. Each request is timed in-process on :class:`~broker.lbs.LbsEngine` (wall clock and this
+category. Each request is timed in-process on :class:`~kcloak.broker.lbs.LbsEngine` (wall clock and this
 thread's CPU time), and its candidate set is compared with the exact answer at a uniform random
 point of the region, computed by brute force with the contract's haversine (an answer outside the
 candidates is counted as a violation; there must be none).
@@ -24,11 +24,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from broker.cli import UsageError
-from broker.lbs import LbsEngine, LonLatBox
-from cloaking.bench_cli import bench_subparsers, rich_bar
-from cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from cloaking.places import PoiFileError, PoiSet, load_pois
+from kcloak.broker.cli import UsageError
+from kcloak.broker.lbs import LbsEngine, LonLatBox
+from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.cloaking.places import PoiFileError, PoiSet, load_pois
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]

@@ -14,11 +14,11 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from broker import __version__
-from broker.logs import log_event, setup_logging
+from kcloak import __version__
+from kcloak.broker.logs import log_event, setup_logging
 
 if TYPE_CHECKING:
-    from cloaking.places import PoiSet
+    from kcloak.cloaking.places import PoiSet
 
 # The server (aiohttp), the POI layer (numpy) and asyncio are imported when the command runs, so
 # that ``kcloak --help`` stays fast.
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the POIs, then serve until SIGINT/SIGTERM."""
     import asyncio
 
-    from cloaking.places import PoiFileError, load_pois
+    from kcloak.cloaking.places import PoiFileError, load_pois
 
     host, port = args.http
     setup_logging(args.log_level)
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(pois: PoiSet, host: str, port: int) -> int:
     import asyncio
 
-    from broker.lbs_server import LbsServer
-    from broker.serve_cli import settle_gc
+    from kcloak.broker.lbs_server import LbsServer
+    from kcloak.broker.serve_cli import settle_gc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

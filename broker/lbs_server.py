@@ -1,9 +1,9 @@
 """HTTP server of the reference LBS provider ``kcloak lbs`` (contract §5, §4 error body, §10; CONCEPTS §5.3).
 
 Routes: ``POST /v1/search`` (strict request, inclusive candidate set from
-:class:`~broker.lbs.LbsEngine`), ``GET /v1/categories``, ``GET /v1/openapi.json``, ``GET /healthz``
+:class:`~kcloak.broker.lbs.LbsEngine`), ``GET /v1/categories``, ``GET /v1/openapi.json``, ``GET /healthz``
 and ``GET /metrics`` (its own prometheus registry). Every 4xx/5xx, aiohttp's own included, gets the
-contract's error body from one middleware. Logs (``broker.logs``) carry route templates, statuses and
+contract's error body from one middleware. Logs (``kcloak.broker.logs``) carry route templates, statuses and
 durations only: never a coordinate, bbox, POI id, name, category or pseudonym (contract §10).
 """
 
@@ -21,13 +21,20 @@ from typing import Any, Literal, TypeGuard
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from broker import __version__
-from broker.lbs import LbsEngine, LonLatBox
-from broker.logs import log_event
-from broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS
-from broker.validation import CATEGORY_RE, MAX_KNN_N, MAX_RADIUS_M, SESSION_ID_RE, InvalidInput, parse_json_object
-from cloaking.places import PoiSet
-from cloaking.profile import ReasonCode
+from kcloak import __version__
+from kcloak.broker.lbs import LbsEngine, LonLatBox
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS
+from kcloak.broker.validation import (
+    CATEGORY_RE,
+    MAX_KNN_N,
+    MAX_RADIUS_M,
+    SESSION_ID_RE,
+    InvalidInput,
+    parse_json_object,
+)
+from kcloak.cloaking.places import PoiSet
+from kcloak.cloaking.profile import ReasonCode
 
 log = logging.getLogger("kcloak.lbs")
 

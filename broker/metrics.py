@@ -150,7 +150,7 @@ class Metrics:
         )
 
     def store_write(self, store: str, ok: bool) -> None:
-        """Record a store write outcome (the ``listener`` of :class:`broker.stores.WriteHealth`)."""
+        """Record a store write outcome (the ``listener`` of :class:`kcloak.broker.stores.WriteHealth`)."""
         self.store_healthy.labels(store=store).set(1 if ok else 0)
         if not ok:
             self.store_write_failures.labels(store=store).inc()

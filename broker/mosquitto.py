@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# broker.auth and broker.config (numpy through the profile) are imported when the command runs,
+# kcloak.broker.auth and kcloak.broker.config (numpy through the profile) are imported when the command runs,
 # so that ``kcloak --help`` stays fast.
 
 SERVICE_USER = "_kcloak"
@@ -99,8 +99,8 @@ def conf_text(out_dir: Path, host: str, port: int) -> str:
 
 def write_config(tokens_file: str, out_dir: Path, listen: str, readers: list[str]) -> tuple[list[int], str]:
     """Write the four files; returns the skipped (hashed) line numbers and the service secret."""
-    from broker.auth import TokensFileError, read_tokens_file
-    from broker.config import parse_listen
+    from kcloak.broker.auth import TokensFileError, read_tokens_file
+    from kcloak.broker.config import parse_listen
 
     lines = read_tokens_file(tokens_file)
     raw = Path(tokens_file).read_text(encoding="utf-8").splitlines()
@@ -143,8 +143,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from broker.auth import TokensFileError
-    from broker.config import ConfigError, parse_listen
+    from kcloak.broker.auth import TokensFileError
+    from kcloak.broker.config import ConfigError, parse_listen
 
     readers = [r for r in args.published_readers.split(",") if r]
     out = Path(args.out)

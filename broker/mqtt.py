@@ -1,15 +1,15 @@
 """The MQTT door (contract §3), over one of two transports.
 
 ``embedded`` (the default): kcloak's own MQTT 3.1.1 server runs in this process
-(:class:`~broker.mqtt_server.MqttServer`); it hands every input message to :meth:`MqttDoor.dispatch`
+(:class:`~kcloak.broker.mqtt_server.MqttServer`); it hands every input message to :meth:`MqttDoor.dispatch`
 and acknowledges it only once dispatch says it is durable, and answers and status messages go out
 through :meth:`MqttServer.publish`. No child process, no client connection, nothing that outlives
 ``kill -9``. External (``mqtt://…``): intake connections subscribe to the four ingest filters (QoS 1;
 ``$share/kcloak/…`` when there are several); one more connection publishes answers and status
 messages, with the retained ``down`` status as its last will. Both speak MQTT 3.1.1 through the lean
-asyncio client of :mod:`broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop
+asyncio client of :mod:`kcloak.broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop
 turn, a byte at a time, which capped the broker far below its targets). Each message is parsed and
-handed to the same :class:`~broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and
+handed to the same :class:`~kcloak.broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and
 counted, never fatal, never visible to other users.
 """
 
@@ -25,15 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker import __version__
-from broker.auth import TokenStore
-from broker.config import Config
-from broker.logs import log_event
-from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
-from broker.mqtt_server import INPUT_KINDS, MqttServer
-from broker.pipeline import Duplicate, Pipeline, QueryRejected
-from broker.validation import parse_json_object, valid_query_id, valid_user_id
-from cloaking.profile import ProfileError
+from kcloak import __version__
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.config import Config
+from kcloak.broker.logs import log_event
+from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer
+from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
+from kcloak.broker.validation import parse_json_object, valid_query_id, valid_user_id
+from kcloak.cloaking.profile import ProfileError
 
 log = logging.getLogger("kcloak.mqtt")
 

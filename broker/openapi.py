@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker import __version__
+from kcloak import __version__
 
 _NUM = {"type": "number"}
 _FIX = {

@@ -23,23 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from broker.config import Config
-from broker.history import RecentFixes
-from broker.logs import log_event
-from broker.metrics import Metrics
-from broker.ratelimit import DedupWindow, TokenBuckets
-from broker.sessions import Session, SessionState, SessionTable, session_status
-from broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile, StoreError
-from broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
-from broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
-from cloaking.cloakers import Refusal, Region, get_cloaker
-from cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
-from cloaking.continuous import SessionError, SharedGroup, ends_session
-from cloaking.geometry import haversine_m
-from cloaking.index import IndexView, PositionIndex
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
-from cloaking.temporal import temporal_cell, temporal_window
+from kcloak.broker.config import Config
+from kcloak.broker.history import RecentFixes
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.ratelimit import DedupWindow, TokenBuckets
+from kcloak.broker.sessions import Session, SessionState, SessionTable, session_status
+from kcloak.broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile, StoreError
+from kcloak.broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
+from kcloak.broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
+from kcloak.cloaking.cloakers import Refusal, Region, get_cloaker
+from kcloak.cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
+from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
+from kcloak.cloaking.geometry import haversine_m
+from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
+from kcloak.cloaking.temporal import temporal_cell, temporal_window
 
 log = logging.getLogger("kcloak.pipeline")
 
@@ -100,7 +100,7 @@ def _now() -> float:
 
 class Pipeline:
     """Business logic of the broker; transports call :meth:`submit_fixes`, :meth:`set_profile`,
-    :meth:`get_profile` and :meth:`query`. Owned and torn down by :class:`broker.service.Broker`."""
+    :meth:`get_profile` and :meth:`query`. Owned and torn down by :class:`kcloak.broker.service.Broker`."""
 
     def __init__(
         self,

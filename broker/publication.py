@@ -3,7 +3,7 @@
 Every accepted fix is already in ``movement.sqlite3`` (written ahead by the movement store). The
 :class:`WindowPublisher` cuts that history into windows ``[n·W, (n+1)·W)``; once no fix can arrive
 for a window any more (now ≥ ``t_end`` + ``max_update_age_s``) it anonymizes the window's
-trajectories with :func:`streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) and
+trajectories with :func:`kcloak.streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) and
 publishes the result exactly once. A window of :data:`PROCESS_MIN_ROWS` fixes or more is
 anonymized in a worker process (started on first need, then kept): the algorithm runs for seconds
 in Python and, in a thread, would hold the interpreter lock the event loop needs to answer
@@ -52,14 +52,14 @@ from typing import Any
 
 import numpy as np
 
-from broker import __version__
-from broker.config import Config
-from broker.logs import log_event
-from broker.metrics import Metrics
-from broker.mqtt_intake import MqttIntakeError
-from broker.stores import GroupCommitWriter, MovementStore
-from streams.publish import METHODS, Release, anonymize
-from streams.readers import FixTable, read_contract_csv, write_contract_csv
+from kcloak import __version__
+from kcloak.broker.config import Config
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.mqtt_intake import MqttIntakeError
+from kcloak.broker.stores import GroupCommitWriter, MovementStore
+from kcloak.streams.publish import METHODS, Release, anonymize
+from kcloak.streams.readers import FixTable, read_contract_csv, write_contract_csv
 
 log = logging.getLogger("kcloak.publication")
 

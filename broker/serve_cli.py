@@ -11,15 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.logs import log_event, setup_logging
+from kcloak.broker.logs import log_event, setup_logging
 
 if TYPE_CHECKING:
     import asyncio
 
-    from broker.auth import TokenStore
-    from broker.config import Config
+    from kcloak.broker.auth import TokenStore
+    from kcloak.broker.config import Config
 
-# broker.auth, broker.config (numpy through the profile) and asyncio are imported when the
+# kcloak.broker.auth, kcloak.broker.config (numpy through the profile) and asyncio are imported when the
 # command runs, so that ``kcloak --help`` stays fast.
 
 log = logging.getLogger("kcloak.serve")
@@ -104,7 +104,7 @@ def add_parser(sub: Any) -> None:
 
 
 def effective_config(args: argparse.Namespace) -> Config:
-    from broker.config import Config
+    from kcloak.broker.config import Config
 
     cfg = Config.from_toml_file(args.config) if args.config else Config()
     values: dict[str, Any] = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()}
@@ -116,7 +116,7 @@ def effective_config(args: argparse.Namespace) -> Config:
 
 
 def resolve_tokens(cfg: Config) -> TokenStore | None:
-    from broker.auth import TokenStore
+    from kcloak.broker.auth import TokenStore
 
     path = cfg.auth.tokens
     if not path:
@@ -129,7 +129,7 @@ def resolve_tokens(cfg: Config) -> TokenStore | None:
 
 def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
     """Refuse to listen beyond loopback in open mode (contract §9)."""
-    from broker.config import ConfigError, is_loopback, parse_listen
+    from kcloak.broker.config import ConfigError, is_loopback, parse_listen
 
     if tokens is not None:
         return
@@ -142,8 +142,8 @@ def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from broker.auth import TokensFileError
-    from broker.config import ConfigError
+    from kcloak.broker.auth import TokensFileError
+    from kcloak.broker.config import ConfigError
 
     try:
         cfg = effective_config(args)
@@ -201,7 +201,7 @@ def settle_gc() -> None:
 async def _serve(cfg: Config, tokens: TokenStore | None) -> int:
     import asyncio
 
-    from broker.service import Broker, StartupError
+    from kcloak.broker.service import Broker, StartupError
 
     try:
         broker = Broker(config=cfg, tokens=tokens)

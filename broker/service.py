@@ -17,18 +17,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from broker import __version__
-from broker.auth import TokenStore
-from broker.config import Config, parse_listen
-from broker.logs import log_event
-from broker.metrics import Metrics
-from broker.pipeline import Pipeline
-from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
-from broker.upstream import UpstreamClient
-from cloaking.places import PlacesLayer, load_pois
+from kcloak import __version__
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.config import Config, parse_listen
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.pipeline import Pipeline
+from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
+from kcloak.broker.upstream import UpstreamClient
+from kcloak.cloaking.places import PlacesLayer, load_pois
 
 if TYPE_CHECKING:
-    from broker.publication import WindowPublisher
+    from kcloak.broker.publication import WindowPublisher
 
 log = logging.getLogger("kcloak.broker")
 
@@ -144,13 +144,13 @@ class Broker:
         )
 
     async def _start_http(self) -> None:
-        from broker.http_server import HttpServer, build_app
+        from kcloak.broker.http_server import HttpServer, build_app
 
         assert self.pipeline is not None
         host, port = parse_listen(self.config.http.listen)
         app = build_app(self.pipeline, self.config, self.tokens, self.state)
         if self.publication is not None:
-            from broker.http_server import PUBLICATION
+            from kcloak.broker.http_server import PUBLICATION
 
             app[PUBLICATION] = self.publication
         server = HttpServer(
@@ -164,7 +164,7 @@ class Broker:
 
     def _start_publication(self, data_dir: Path, movement: MovementStore) -> None:
         """Live trajectory windows (contract §7); the HTTP routes read them even when publication is off."""
-        from broker.publication import PublicationError, WindowPublisher
+        from kcloak.broker.publication import PublicationError, WindowPublisher
 
         assert self.pipeline is not None and self._tg is not None
         try:
@@ -187,7 +187,7 @@ class Broker:
     async def _start_mqtt(self) -> None:
         """The MQTT door: embedded, kcloak's own MQTT server in this process (port in use →
         :class:`StartupError` at once); external, client connections to ``mqtt://…``."""
-        from broker.mqtt import MqttDoor, external_target
+        from kcloak.broker.mqtt import MqttDoor, external_target
 
         assert self.pipeline is not None and self._tg is not None
         cfg = self.config

@@ -2,7 +2,7 @@
 
 A session belongs to one user, whatever the transport that started it, and holds what is fixed
 at its start: the query's ``kind`` and parameters, the effective profile E and the shared group
-(:class:`~cloaking.continuous.SharedGroup`, k-sharing with memorization). The table enforces
+(:class:`~kcloak.cloaking.continuous.SharedGroup`, k-sharing with memorization). The table enforces
 ``sessions.per_user`` active sessions per user and the ``idle_s`` / ``max_s`` expiry; sessions
 never touch the disk and do not survive a restart. Session ids are 128 random bits from
 :mod:`secrets` and never leave the broker except to their owner.
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.metrics import Metrics
-from broker.validation import Query
-from cloaking.continuous import SharedGroup
-from cloaking.profile import PrivacyProfile
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.validation import Query
+from kcloak.cloaking.continuous import SharedGroup
+from kcloak.cloaking.profile import PrivacyProfile
 
 
 class SessionState(enum.StrEnum):

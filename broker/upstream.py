@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from broker import __version__
-from broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
-from broker.metrics import Metrics
-from broker.validation import parse_json_object
+from kcloak import __version__
+from kcloak.broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.validation import parse_json_object
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 

@@ -1,12 +1,12 @@
 """``kcloak audit cloaking``: what an attacker learns from forwarded regions (CONCEPTS §6, §6.8; contract §9).
 
-A run builds a :class:`~cloaking.attacks.World` — a synthetic clustered city that moves over
+A run builds a :class:`~kcloak.cloaking.attacks.World` — a synthetic clustered city that moves over
 ``snapshots`` frames, or successive snapshots of a real trace — gives every user the profile
 ``k`` of the row, lets each algorithm cloak a request of *every* present user at every frame
 (what a K1 + K2 attacker can recompute, §1.5), and runs every attack of §6 on a seeded sample of
 ``queries`` requests (continuous queries for the tracking attacks). Each row reports the
 success rate next to the 1/k baseline and a tolerance derived from the number of trials
-(:func:`~cloaking.attacks.base.tolerance`). Pure: no I/O (the CLI reads files, writes reports).
+(:func:`~kcloak.cloaking.attacks.base.tolerance`). Pure: no I/O (the CLI reads files, writes reports).
 
 Background knowledge of the scenario:
 
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.attacks import (
+from kcloak.cloaking.attacks import (
     AttackName,
     BoundaryGuess,
     CentreGuess,
@@ -48,14 +48,14 @@ from cloaking.attacks import (
     Target,
     World,
 )
-from cloaking.attacks.base import Session
-from cloaking.bench import SYNTHETIC_NOW, NullProgress, Progress, auto_window_s, clustered_population, user_ids
-from cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
-from cloaking.geometry import EARTH_RADIUS_M, BBox
-from cloaking.index import IndexView
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile, ProfileArrays
-from streams.readers import FixTable
+from kcloak.cloaking.attacks.base import Session
+from kcloak.cloaking.bench import SYNTHETIC_NOW, NullProgress, Progress, auto_window_s, clustered_population, user_ids
+from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays
+from kcloak.streams.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -304,7 +304,7 @@ def forward_all(algorithm: str, view: IndexView, profile: PrivacyProfile, *, see
     """
     n = len(view)
     if algorithm == "clique":
-        from cloaking.cloakers.clique import CliqueCloak, CliqueRequest
+        from kcloak.cloaking.cloakers.clique import CliqueCloak, CliqueRequest
 
         rng = np.random.default_rng([seed, view.epoch, 31])
         at = view.now + rng.uniform(0.0, CLIQUE_ARRIVAL_SPREAD_S, n)
@@ -335,7 +335,7 @@ def forward_all(algorithm: str, view: IndexView, profile: PrivacyProfile, *, see
 def session_runner(
     algorithm: str, world: World, forwarded: Sequence[Forwarded], profile: PrivacyProfile, *, refreshes: int | None
 ) -> Session | None:
-    """Continuous sessions with k-sharing and memorization (contract §6) from :mod:`cloaking.continuous`.
+    """Continuous sessions with k-sharing and memorization (contract §6) from :mod:`kcloak.cloaking.continuous`.
 
     The first region is the audited algorithm's region at the start frame; every later frame is a
     refresh, until the session ends (``k_unreachable``/``area_exceeded``). A refresh refused because
@@ -343,11 +343,11 @@ def session_runner(
     None when the continuous module is not available.
     """
     try:
-        from cloaking import continuous
+        from kcloak.cloaking import continuous
     except ModuleNotFoundError:
         return None
-    from cloaking.cloakers.base import Region
-    from cloaking.profile import ReasonCode
+    from kcloak.cloaking.cloakers.base import Region
+    from kcloak.cloaking.profile import ReasonCode
 
     def run(start: int, user: int) -> list[tuple[int, BBox]]:
         row = int(world.row_of_user[start][user])
@@ -554,7 +554,7 @@ def _row(
     targets: Sequence[Target],
     median: float | None,
 ) -> AuditRow:
-    from cloaking.attacks import AttackError
+    from kcloak.cloaking.attacks import AttackError
 
     try:
         risk: Risk = attack.assess_risk(data, targets)

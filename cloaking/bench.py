@@ -9,7 +9,7 @@ code, the k-violation rate of §6.3 on a sample) and the costs (latency percenti
 throughput, per-view preparation, index updates, memory per user). ``clique`` holds
 requests (§4.5), so it is run as a stream of messages spread over simulated time instead.
 
-No I/O here: the CLI (:mod:`cloaking.bench_cli`) reads files and renders the report.
+No I/O here: the CLI (:mod:`kcloak.cloaking.bench_cli`) reads files and renders the report.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
-from cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
-from cloaking.geometry import EARTH_RADIUS_M, BBox
-from cloaking.index import IndexView, PositionIndex
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
-from streams.readers import FixTable
+from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
+from kcloak.cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
+from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.streams.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -484,7 +484,7 @@ class CloakBenchReport:
     population: Mapping[str, Any]
     index: IndexCosts
     rows: tuple[CloakBenchRow, ...]
-    area_reference: str = "cloaking.cloakers.nn.nn_mbr_area_m2"
+    area_reference: str = "kcloak.cloaking.cloakers.nn.nn_mbr_area_m2"
 
     def to_json(self) -> dict[str, Any]:
         """``{"bench": "cloak", "results": [...]}`` plus ``seed``, ``population`` (with the snapshot
@@ -533,9 +533,9 @@ NnAreaFn = Callable[[IndexView, I64, int], F64]
 
 
 def load_nn_area() -> NnAreaFn | None:
-    """``cloaking.cloakers.nn.nn_mbr_area_m2`` if that module is there."""
+    """``kcloak.cloaking.cloakers.nn.nn_mbr_area_m2`` if that module is there."""
     try:
-        nn = importlib.import_module("cloaking.cloakers.nn")
+        nn = importlib.import_module("kcloak.cloaking.cloakers.nn")
     except ImportError:
         return None
     fn: NnAreaFn | None = getattr(nn, "nn_mbr_area_m2", None)
@@ -581,9 +581,9 @@ def run_cloak_bench(pop: Population, config: CloakBenchConfig, *, progress: Prog
     index = build_index(pop, work)
     nn_area: F64 | None = None
     fn = load_nn_area()
-    reference = "cloaking.cloakers.nn.nn_mbr_area_m2"
+    reference = "kcloak.cloaking.cloakers.nn.nn_mbr_area_m2"
     if fn is None:
-        reference = "unavailable: cloaking.cloakers.nn.nn_mbr_area_m2 not found"
+        reference = "unavailable: kcloak.cloaking.cloakers.nn.nn_mbr_area_m2 not found"
     else:
         prog.phase("nn reference areas", 1)
         try:
@@ -872,7 +872,7 @@ def _bench_clique(
     is timed per arrival. Success = released / requests; latency = release − arrival (simulated).
     ``batch_cloaks_per_s`` is the cloaker's own ``run_stream`` over the same stream.
     """
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     name = base.algorithm
     n = len(pop)

@@ -2,7 +2,7 @@
 
 ``bench`` is one command whose benchmarks are sub-subcommands contributed by the modules
 that own the work. A module adds one from its own ``add_parser(subparsers)`` (listed in
-``broker.cli``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
+``kcloak.broker.cli``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
 whichever module comes first creates the ``bench`` parser.
 """
 
@@ -18,21 +18,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.cli import UsageError
+from kcloak.broker.cli import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress as RichProgressBar
 
-    from cloaking.bench import CloakBenchConfig, CloakBenchReport, Population, Progress
+    from kcloak.cloaking.bench import CloakBenchConfig, CloakBenchReport, Population, Progress
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_USERS = 100_000
 
 # Spelled out so that building the ``kcloak`` parser imports neither numpy nor the cloakers (every
-# ``*_cli`` module imports this one); tests check them against cloaking.cloakers.SPATIAL_ALGORITHMS
-# and cloaking.bench. The benchmark itself imports the real ones when it runs.
+# ``*_cli`` module imports this one); tests check them against kcloak.cloaking.cloakers.SPATIAL_ALGORITHMS
+# and kcloak.cloaking.bench. The benchmark itself imports the real ones when it runs.
 SPATIAL_ALGORITHMS: tuple[str, ...] = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid")
 K_LEVEL_WEIGHTS: tuple[float, float, float] = (0.25, 0.5, 0.25)
 DEFAULT_K_SPREAD = 0.5
@@ -127,7 +127,7 @@ def add_parser(subparsers: SubParsers) -> None:
 # -- running ----------------------------------------------------------------------------------
 def parse_algorithms(text: str) -> tuple[str, ...]:
     """Comma-separated algorithm names, checked against the registry, duplicates dropped."""
-    from cloaking.cloakers import SPATIAL_ALGORITHMS
+    from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS
 
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
@@ -140,8 +140,8 @@ def parse_algorithms(text: str) -> tuple[str, ...]:
 
 def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
-    from cloaking.bench import CloakBenchConfig
-    from cloaking.profile import MAX_AREA_CAP_M2
+    from kcloak.cloaking.bench import CloakBenchConfig
+    from kcloak.cloaking.profile import MAX_AREA_CAP_M2
 
     if not 1 <= args.k <= 1000:
         raise UsageError("--k: must be within [1, 1000]")
@@ -175,8 +175,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
 
 def load_population(args: argparse.Namespace, seed: int) -> Population:
     """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
-    from cloaking.bench import BenchError, clustered_population, snapshot_population
-    from streams.readers import ReaderError, read_fixes
+    from kcloak.cloaking.bench import BenchError, clustered_population, snapshot_population
+    from kcloak.streams.readers import ReaderError, read_fixes
 
     try:
         if args.data is None:
@@ -190,7 +190,7 @@ def load_population(args: argparse.Namespace, seed: int) -> Population:
 
 def run_bench_cloak(args: argparse.Namespace) -> int:
     """``kcloak bench cloak``: 0 when at least one algorithm was measured, else 1."""
-    from cloaking.bench import run_cloak_bench
+    from kcloak.cloaking.bench import run_cloak_bench
 
     config = config_from_args(args)
     pop = load_population(args, config.seed)
@@ -208,7 +208,7 @@ def run_bench_cloak(args: argparse.Namespace) -> int:
 
 
 class RichProgress:
-    """:class:`cloaking.bench.Progress` drawn with ``rich`` on stderr, one bar per phase."""
+    """:class:`kcloak.cloaking.bench.Progress` drawn with ``rich`` on stderr, one bar per phase."""
 
     def __init__(self, bar: RichProgressBar) -> None:
         self._bar = bar
@@ -242,8 +242,8 @@ def rich_bar() -> RichProgressBar:
 
 @contextmanager
 def phase_progress(show: bool) -> Iterator[Progress]:
-    """A :class:`cloaking.bench.Progress` drawn on stderr when ``show``, else one that shows nothing."""
-    from cloaking.bench import NullProgress
+    """A :class:`kcloak.cloaking.bench.Progress` drawn on stderr when ``show``, else one that shows nothing."""
+    from kcloak.cloaking.bench import NullProgress
 
     if not show:
         yield NullProgress()
@@ -262,7 +262,7 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
     from rich.console import Console
     from rich.table import Table
 
-    from cloaking.bench import k_levels
+    from kcloak.cloaking.bench import k_levels
 
     out = console if console is not None else Console(width=None if sys.stdout.isatty() else 160)
     d = report.to_json()

@@ -9,17 +9,17 @@ for good and are never replaced, so every present member of ``G`` is inside ever
 session and the intersection of the regions' user sets never drops below ``E.k``.
 
 Pure and synchronous: the broker keeps one :class:`SharedGroup` per session and calls
-:meth:`SharedGroup.refresh` with a fresh :class:`~cloaking.index.IndexView` on every refresh.
+:meth:`SharedGroup.refresh` with a fresh :class:`~kcloak.cloaking.index.IndexView` on every refresh.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from cloaking.cloakers.base import Refusal, Region, finish_region, refuse
-from cloaking.geometry import bbox_around_keys
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.cloaking.cloakers.base import Refusal, Region, finish_region, refuse
+from kcloak.cloaking.geometry import bbox_around_keys
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
 
 ENDING_REASONS: frozenset[ReasonCode] = frozenset({ReasonCode.K_UNREACHABLE, ReasonCode.AREA_EXCEEDED})
 """Refusals of a refresh that end the session (contract §6); any other keeps it active."""

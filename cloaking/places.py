@@ -145,7 +145,7 @@ def _feature(feat: Any) -> tuple[object, object, object, object, object] | None:
 def load_pois(path: str | Path | None = None) -> PoiSet:
     """Read a POI file; ``None`` reads the bundled Beijing POIs (© OpenStreetMap contributors, ODbL)."""
     if path is None:
-        text = resources.files("cloaking.data").joinpath(BUNDLED_POIS).read_text(encoding="utf-8")
+        text = resources.files("kcloak.cloaking.data").joinpath(BUNDLED_POIS).read_text(encoding="utf-8")
         return parse_pois(text, geojson=False)
     p = Path(path)
     try:

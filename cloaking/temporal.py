@@ -23,11 +23,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers.base import Refusal, Region, refuse
-from cloaking.cloakers.interval import WORLD_ROOT, Root, cell_bbox, grid_coord, levels_of
-from cloaking.geometry import BBox, coordinate_key, coordinate_keys
-from cloaking.grid import GRID_BITS
-from cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.cloaking.cloakers.base import Refusal, Region, refuse
+from kcloak.cloaking.cloakers.interval import WORLD_ROOT, Root, cell_bbox, grid_coord, levels_of
+from kcloak.cloaking.geometry import BBox, coordinate_key, coordinate_keys
+from kcloak.cloaking.grid import GRID_BITS
+from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
 
 F64 = npt.NDArray[np.float64]
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from cloaking.places import load_pois
-from simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
-from simulators.streets import StreetMovement, load_street_graph
+from kcloak.cloaking.places import load_pois
+from kcloak.simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
+from kcloak.simulators.streets import StreetMovement, load_street_graph
 
 MODELS = ("waypoint", "street", "hotspot")
 """Contract names of the mobility models, in the order of the benchmark rows."""
@@ -86,7 +86,7 @@ def encode_rate(users: int, duration_s: float, *, model: str = "waypoint", seed:
     This is the simulator's own ceiling: the transport rows' ``updates_per_s`` is below it only
     when the broker (or the socket) is the limit.
     """
-    from simulators.client import batch_payloads
+    from kcloak.simulators.client import batch_payloads
 
     mob = build_model(model, users, seed=seed)
     names = [f"s{i:06d}" for i in range(users)]
@@ -121,9 +121,9 @@ def measure_transports(
     import urllib.request
     from pathlib import Path
 
-    from broker.bench import instant_upstream, mosquitto, serve_process, wait_healthy
-    from broker.mqtt import free_port
-    from simulators.traffic import saturate
+    from kcloak.broker.bench import instant_upstream, mosquitto, serve_process, wait_healthy
+    from kcloak.broker.mqtt import free_port
+    from kcloak.simulators.traffic import saturate
 
     say = log or (lambda _msg: None)
 

@@ -1,9 +1,9 @@
 """``kcloak simulate``, ``kcloak replay``, ``kcloak load`` and ``kcloak bench simulate`` (contract §9).
 
-Thin parsing only: the work is done by :mod:`simulators.traffic`, :mod:`simulators.replay`,
-:mod:`simulators.load` and :mod:`simulators.bench`, imported when a command runs so that
+Thin parsing only: the work is done by :mod:`kcloak.simulators.traffic`, :mod:`kcloak.simulators.replay`,
+:mod:`kcloak.simulators.load` and :mod:`kcloak.simulators.bench`, imported when a command runs so that
 ``kcloak --help`` stays fast. Exit codes: 0 success, 1 broker unreachable, not kcloak
-(:mod:`simulators.preflight`) or connection lost, 2 bad flags or input. ``--json`` prints one
+(:mod:`kcloak.simulators.preflight`) or connection lost, 2 bad flags or input. ``--json`` prints one
 object on stdout; progress bars go to stderr (off with ``--no-progress`` or when stderr is not a TTY).
 """
 
@@ -18,17 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.broker.cli import UsageError
+from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
-    from simulators.transport import TransportError
+    from kcloak.simulators.transport import TransportError
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Choices spelled out here so that ``kcloak --help`` imports no simulator module (numpy, scipy);
-# tests check them against simulators.bench.MODELS, simulators.traffic.QUERY_KINDS and
-# streams.readers.FORMATS.
+# tests check them against kcloak.simulators.bench.MODELS, kcloak.simulators.traffic.QUERY_KINDS and
+# kcloak.streams.readers.FORMATS.
 MODELS: tuple[str, ...] = ("waypoint", "street", "hotspot")
 QUERY_KINDS: tuple[str, ...] = ("range", "knn", "mix")
 FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
@@ -177,13 +177,13 @@ def _run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[A
     """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
 
     The probe uses the tokens file's first user over MQTT. Raises
-    :class:`~simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
+    :class:`~kcloak.simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
     """
     import asyncio
 
-    from simulators.client import ClientInputError, load_client_tokens
-    from simulators.preflight import probe_broker
-    from simulators.traffic import SimulationInputError
+    from kcloak.simulators.client import ClientInputError, load_client_tokens
+    from kcloak.simulators.preflight import probe_broker
+    from kcloak.simulators.traffic import SimulationInputError
 
     try:
         credentials = load_client_tokens(tokens)[0] if tokens is not None else None
@@ -219,7 +219,7 @@ def _unreachable(exc: TransportError) -> int:
 
 # -- commands ----------------------------------------------------------------------------------
 def run_simulate(args: argparse.Namespace) -> int:
-    from simulators.traffic import (
+    from kcloak.simulators.traffic import (
         DEFAULT_MIX,
         NullObserver,
         SimulationConfig,
@@ -227,7 +227,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         load_profile_mix,
         run_simulation,
     )
-    from simulators.transport import TransportError
+    from kcloak.simulators.transport import TransportError
 
     try:
         mix = load_profile_mix(args.profile_mix) if args.profile_mix is not None else DEFAULT_MIX
@@ -269,9 +269,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_replay_cmd(args: argparse.Namespace) -> int:
-    from simulators.replay import ReplayConfig, load_plan, run_replay
-    from simulators.traffic import SimulationInputError
-    from simulators.transport import TransportError
+    from kcloak.simulators.replay import ReplayConfig, load_plan, run_replay
+    from kcloak.simulators.traffic import SimulationInputError
+    from kcloak.simulators.transport import TransportError
 
     try:
         cfg = ReplayConfig(
@@ -301,9 +301,9 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
 
 
 def run_load_cmd(args: argparse.Namespace) -> int:
-    from simulators.load import LoadConfig, run_load
-    from simulators.traffic import SimulationInputError
-    from simulators.transport import TransportError
+    from kcloak.simulators.load import LoadConfig, run_load
+    from kcloak.simulators.traffic import SimulationInputError
+    from kcloak.simulators.transport import TransportError
 
     try:
         cfg = LoadConfig(
@@ -332,8 +332,8 @@ def run_load_cmd(args: argparse.Namespace) -> int:
 def run_bench_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from simulators.bench import measure_models, measure_transports
-    from simulators.transport import TransportError
+    from kcloak.simulators.bench import measure_models, measure_transports
+    from kcloak.simulators.transport import TransportError
 
     if args.users < 1:
         raise UsageError("--users: must be >= 1")

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.auth import TokensFileError, read_tokens_file
-from simulators.transport import BrokerUrl, HttpClient, HttpResponse, MqttClient, MqttMessage, TransportError
+from kcloak.broker.auth import TokensFileError, read_tokens_file
+from kcloak.simulators.transport import BrokerUrl, HttpClient, HttpResponse, MqttClient, MqttMessage, TransportError
 
 ROOT = "kcloak/v1/"
 GATEWAY_USER = "kcloak-gateway"

@@ -5,7 +5,7 @@ bundled Beijing POIs) and the broker (``kcloak serve`` with a generated TOML con
 embedded MQTT broker) on free loopback ports over a temporary data directory, so that the broker,
 the provider and the simulated users run on cores of their own, as in a deployment. Meanwhile the
 bundled Beijing street network is cropped to a square around the city centre sized for the number
-of users (:func:`demo_area`) and handed to :func:`simulators.traffic.run_simulation`, which drives
+of users (:func:`demo_area`) and handed to :func:`kcloak.simulators.traffic.run_simulation`, which drives
 the users along those streets with a mix of privacy profiles (k = 5, 10, 20), like any client:
 fixes and queries through MQTT (contract §3), the profiles, set once at the start, through HTTP
 (§4), which is several times quicker for thousands of users than round trips through the
@@ -17,9 +17,9 @@ stderr shows users, updates/s, queries, success rate, median cloak area and p99 
 answers and the report, so the command ends about ``duration_s`` after it started. The summary's
 ``duration_s`` is the time users actually moved. Ctrl-C stops them early. Then the broker's
 published trajectory windows are counted (``GET /v1/published/windows``) and the report of
-:mod:`simulators.report` is written while the child processes shut down.
+:mod:`kcloak.simulators.report` is written while the child processes shut down.
 
-Demo settings (shown in ``kcloak demo --help``, defined in :mod:`simulators.demo_cli`): each user
+Demo settings (shown in ``kcloak demo --help``, defined in :mod:`kcloak.simulators.demo_cli`): each user
 sends :data:`DEMO_QUERIES_PER_MIN` queries a minute (range and knn), so that a one-minute run answers
 thousands of queries; trajectory windows are :data:`DEMO_PUBLISH_WINDOW_S` long and closed
 :data:`DEMO_MAX_UPDATE_AGE_S` after their end (contract §7: a window is processed once
@@ -51,8 +51,8 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from broker.config import Config
-from simulators.demo_cli import (
+from kcloak.broker.config import Config
+from kcloak.simulators.demo_cli import (
     DEMO_MAX_AREA_SIDE_KM,
     DEMO_MAX_UPDATE_AGE_S,
     DEMO_MIN_TRAFFIC_SHARE,
@@ -62,10 +62,10 @@ from simulators.demo_cli import (
     DEMO_TAIL_RESERVE_S,
     DEMO_USERS_PER_KM2,
 )
-from simulators.report import Observations, load_plotting, percentile, summarize, write_report
-from simulators.streets import StreetGraph, load_street_graph
-from simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
-from simulators.transport import TransportError
+from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
+from kcloak.simulators.streets import StreetGraph, load_street_graph
+from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
+from kcloak.simulators.transport import TransportError
 
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ class DemoResult:
 
 @dataclass(slots=True)
 class DemoObserver:
-    """A :class:`simulators.traffic.SimulationObserver` filling :class:`Observations` and live rates."""
+    """A :class:`kcloak.simulators.traffic.SimulationObserver` filling :class:`Observations` and live rates."""
 
     obs: Observations = field(default_factory=Observations)
     first_update_t: float | None = None
@@ -377,7 +377,7 @@ def street_chains(graph: StreetGraph) -> list[tuple[list[int], int, bool]]:
 
 
 def write_osm(graph: StreetGraph, path: Path) -> None:
-    """Write ``graph`` as OSM XML that :func:`simulators.streets.parse_osm` reads back as the same graph.
+    """Write ``graph`` as OSM XML that :func:`kcloak.simulators.streets.parse_osm` reads back as the same graph.
 
     Node ids and coordinates are the graph's; ways are :func:`street_chains` with their
     ``highway`` class (it sets the speed) and ``oneway=yes`` where the street runs one way.
@@ -425,8 +425,9 @@ class ChildProcess:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-I",  # isolated: no current folder or PYTHONPATH on sys.path, so nothing there can shadow kcloak
                 "-m",
-                "broker.cli",
+                "kcloak.broker.cli",
                 *self.args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -581,7 +582,7 @@ async def run_demo(
 
     Users stop at :func:`traffic_end` even if the simulation falls behind its own schedule (an
     overloaded machine), so the demo ends on time; outstanding answers are then awaited briefly
-    (:data:`simulators.traffic.STOP_DRAIN_S`). Raises :class:`DemoStartupError` when the broker or
+    (:data:`kcloak.simulators.traffic.STOP_DRAIN_S`). Raises :class:`DemoStartupError` when the broker or
     the provider cannot start, :class:`TransportError` when the MQTT broker is unreachable.
     """
     err = console or Console(stderr=True)

@@ -1,4 +1,5 @@
-"""``kcloak demo`` (contract §9): flags → :class:`simulators.demo.DemoConfig` → :func:`simulators.demo.run_demo`.
+"""``kcloak demo`` (contract §9): flags → :class:`kcloak.simulators.demo.DemoConfig` →
+:func:`kcloak.simulators.demo.run_demo`.
 
 Exit codes: 0 when the report is written (also after Ctrl-C), 1 when a part cannot start (port
 in use, MQTT broker unreachable) or the report cannot be written, 2 for a bad flag, 130 when
@@ -15,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-# broker.config.ALGORITHMS, spelled out so that building the ``kcloak`` parser imports no numpy
+# kcloak.broker.config.ALGORITHMS, spelled out so that building the ``kcloak`` parser imports no numpy
 # (a test checks the two agree); the demo itself is imported when the command runs.
 ALGORITHMS: tuple[str, ...] = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
 
 MAX_USERS = 100_000
 
-# The demo's settings (shown in --help, used by simulators.demo).
+# The demo's settings (shown in --help, used by kcloak.simulators.demo).
 DEMO_QUERIES_PER_MIN = 3.0
 """Queries per simulated user per minute (``kcloak simulate`` defaults to 1)."""
 DEMO_QUERY_KIND = "mix"
@@ -130,9 +131,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from broker.logs import setup_logging
-    from simulators.demo import DemoConfig, DemoStartupError, print_summary, run_demo
-    from simulators.transport import TransportError
+    from kcloak.broker.logs import setup_logging
+    from kcloak.simulators.demo import DemoConfig, DemoStartupError, print_summary, run_demo
+    from kcloak.simulators.transport import TransportError
 
     err = Console(stderr=True)
     report: Path = args.report

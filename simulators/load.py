@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from simulators.bench import MODELS
-from simulators.client import ClientInputError, ClientStats, load_client_tokens, open_client, percentiles_ms
-from simulators.traffic import QUERY_KINDS, SimulationInputError, build_model, random_query, simulated_users
-from simulators.transport import BrokerUrl
+from kcloak.simulators.bench import MODELS
+from kcloak.simulators.client import ClientInputError, ClientStats, load_client_tokens, open_client, percentiles_ms
+from kcloak.simulators.traffic import QUERY_KINDS, SimulationInputError, build_model, random_query, simulated_users
+from kcloak.simulators.transport import BrokerUrl
 
 SEND_SLICE = 256
 """Most messages sent between two yields to the event loop (answers keep being read)."""
@@ -121,7 +121,7 @@ class LoadSummary:
 async def run_load(cfg: LoadConfig, *, on_progress: Callable[[int, int], None] | None = None) -> LoadSummary:
     """Offer ``rate`` messages/s for ``duration_s`` (see the module docstring).
 
-    Raises :class:`LoadInputError` (exit 2) and :class:`~simulators.transport.TransportError` (exit 1).
+    Raises :class:`LoadInputError` (exit 2) and :class:`~kcloak.simulators.transport.TransportError` (exit 1).
     """
     try:
         tokens = load_client_tokens(cfg.tokens) if cfg.tokens is not None else None

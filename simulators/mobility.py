@@ -2,7 +2,7 @@
 
 Every model moves all its users at once with numpy (one ``step(dt_s)`` is a handful of array
 operations over every user, plus small passes over the users that reached a waypoint), is seeded,
-and reports positions as ``(lat, lon)`` arrays. Street movement is in :mod:`simulators.streets`.
+and reports positions as ``(lat, lon)`` arrays. Street movement is in :mod:`kcloak.simulators.streets`.
 
 Local frame. The waypoint models move users in an equirectangular frame anchored at the south-west
 corner of their bbox: ``y = (lat - min_lat)·R·π/180``, ``x = (lon - min_lon)·R·π/180·cos φ*`` with
@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.geometry import EARTH_RADIUS_M, BBox
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -50,7 +50,7 @@ class MobilityModel(Protocol):
 
 
 class HasLatLon(Protocol):
-    """Anything with ``lat``/``lon`` columns, such as :class:`cloaking.places.PoiSet`."""
+    """Anything with ``lat``/``lon`` columns, such as :class:`kcloak.cloaking.places.PoiSet`."""
 
     @property
     def lat(self) -> FloatArray: ...

@@ -12,7 +12,7 @@ import asyncio
 import json
 from typing import Any
 
-from simulators.transport import BrokerUrl, HttpClient, MqttClient, MqttMessage, TransportError
+from kcloak.simulators.transport import BrokerUrl, HttpClient, MqttClient, MqttMessage, TransportError
 
 STATUS_TOPIC = "kcloak/v1/broker/status"
 HEALTH_KEYS = frozenset({"status", "version", "mqtt", "upstream"})

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from simulators.streets import StreetGraph
+from kcloak.simulators.streets import StreetGraph
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

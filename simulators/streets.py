@@ -27,7 +27,7 @@ import numpy.typing as npt
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, dijkstra
 
-from cloaking.geometry import haversine_m_array
+from kcloak.cloaking.geometry import haversine_m_array
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -303,7 +303,7 @@ def parse_osm(source: str | Path | IO[bytes], *, speeds_kmh: Mapping[str, float]
 def load_street_graph(path: str | Path | None = None, *, largest_component: bool = True) -> StreetGraph:
     """Read an OSM file (``None``: the bundled Beijing sample) and keep its largest strongly connected component."""
     if path is None:
-        data = resources.files("simulators.data").joinpath(BUNDLED_OSM).read_bytes()
+        data = resources.files("kcloak.simulators.data").joinpath(BUNDLED_OSM).read_bytes()
         graph = parse_osm(_first_member(data))
     else:
         graph = parse_osm(path)

@@ -1,7 +1,7 @@
 """The simulator traffic engine behind ``kcloak simulate`` (contract §9; issue 5).
 
-Every simulated user moves with a mobility model (:mod:`simulators.mobility`,
-:mod:`simulators.streets`), sends a location fix every ``dt_s`` seconds, and sends LBS queries as
+Every simulated user moves with a mobility model (:mod:`kcloak.simulators.mobility`,
+:mod:`kcloak.simulators.streets`), sends a location fix every ``dt_s`` seconds, and sends LBS queries as
 a Poisson process of ``query_rate_per_min`` per user (the superposition of the users' processes
 is one Poisson process of rate ``users × rate``, each event landing on a uniformly chosen user;
 within a step the event times are uniform, which is exactly a Poisson process conditioned on its
@@ -10,7 +10,7 @@ count). Before traffic starts, each user's stored profile is set from a weighted
 (or another door, ``profile_broker``: 3000 HTTP requests take a fraction of the time 3000 MQTT
 round trips through the embedded MQTT broker do), while the users are placed on the model.
 
-The engine talks to the broker only through the contract, via :mod:`simulators.client`: in open
+The engine talks to the broker only through the contract, via :mod:`kcloak.simulators.client`: in open
 mode one gateway connection sends each step's fixes as batch messages (``kcloak/v1/updates/…``,
 ``POST /v1/locations``), with tokens each user sends its own fix on its own topic or route.
 Query latency is measured from the query's **intended** send time (its Poisson event time).
@@ -22,7 +22,7 @@ now due, moving the users by the time that passed, and counts the steps it skipp
 it sends always carry the current time.
 
 The street model drives on the bundled Beijing network, an ``--osm`` file, or a ready
-:class:`~simulators.streets.StreetGraph` (``graph``); ``bbox`` crops either network to a box
+:class:`~kcloak.simulators.streets.StreetGraph` (``graph``); ``bbox`` crops either network to a box
 (its largest strongly connected part), so a caller never needs to write and re-parse an OSM crop.
 """
 
@@ -42,10 +42,10 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.profile import PrivacyProfile, ProfileError
-from simulators.bench import MODELS
-from simulators.bench import build_model as build_bundled_model
-from simulators.client import (
+from kcloak.cloaking.profile import PrivacyProfile, ProfileError
+from kcloak.simulators.bench import MODELS
+from kcloak.simulators.bench import build_model as build_bundled_model
+from kcloak.simulators.client import (
     ClientInputError,
     HttpKcloakClient,
     MqttKcloakClient,
@@ -53,9 +53,9 @@ from simulators.client import (
     open_client,
     percentiles_ms,
 )
-from simulators.mobility import MobilityModel
-from simulators.streets import StreetGraph, StreetMovement, load_street_graph
-from simulators.transport import BrokerUrl
+from kcloak.simulators.mobility import MobilityModel
+from kcloak.simulators.streets import StreetGraph, StreetMovement, load_street_graph
+from kcloak.simulators.transport import BrokerUrl
 
 QUERY_KINDS = ("range", "knn", "mix")
 """``--query-kind`` values: range queries, k-nearest-neighbour queries, or an even mix."""
@@ -444,7 +444,7 @@ async def run_simulation(
     """Run one simulation against the broker of ``cfg.broker`` (see the module docstring).
 
     Raises :class:`SimulationInputError` for bad input (exit 2) and
-    :class:`~simulators.transport.TransportError` when the broker is unreachable (exit 1).
+    :class:`~kcloak.simulators.transport.TransportError` when the broker is unreachable (exit 1).
     Setting ``stop`` ends the run early; outstanding answers are awaited briefly, then counted
     as unanswered.
     """

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.geometry import haversine_m_array
-from streams.trajectory import Trajectory
+from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -292,7 +292,7 @@ def _rows(
     seed: int,
     translation: float | None,
 ) -> list[LinkageRow]:
-    from cloaking.attacks.base import tolerance
+    from kcloak.cloaking.attacks.base import tolerance
 
     rows: list[LinkageRow] = []
     for m in ms:
@@ -330,14 +330,14 @@ def audit_trajectories(
 ) -> TrajectoryAudit:
     r"""``kcloak audit trajectories`` (contract §9): verify PUBLISHED, then the km linkage of §7.6.
 
-    ``original`` and ``published`` are :class:`~streams.readers.FixTable`\ s. (k,δ) is verified from
+    ``original`` and ``published`` are :class:`~kcloak.streams.readers.FixTable`\ s. (k,δ) is verified from
     the published rows alone with the independent verifier (§9.6). The linkage runs against the
     raw data (``raw``), against PUBLISHED when ``mapping`` (published id → traj_id) gives the
     ground truth (``published``), and against each of ``methods`` run here on ORIGINAL.
     """
-    from streams.publish import METHODS, anonymize
-    from streams.quality import verify_k_delta
-    from streams.trajectory import split_too_short, trajectories_from_fixes
+    from kcloak.streams.publish import METHODS, anonymize
+    from kcloak.streams.quality import verify_k_delta
+    from kcloak.streams.trajectory import split_too_short, trajectories_from_fixes
 
     def step(what: str) -> None:
         if progress is not None:

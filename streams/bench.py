@@ -3,7 +3,7 @@
 Each (method, size) runs in its own Python process so that ``peak_rss_mb`` is that run's own peak
 resident set (``getrusage(RUSAGE_SELF)`` in the worker, and the parent's sampling of the child) and a
 run past the time limit can be stopped (``"status": "timeout"``). The worker generates the seeded
-synthetic data, then times :func:`streams.publish.anonymize` end to end (model, algorithm, fresh ids
+synthetic data, then times :func:`kcloak.streams.publish.anonymize` end to end (model, algorithm, fresh ids
 and shuffle) — the ``runtime_s`` of the contract report; quality measures come from that report.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.geometry import Aeqd
-from streams.readers import FixTable
+from kcloak.cloaking.geometry import Aeqd
+from kcloak.streams.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 
@@ -132,7 +132,7 @@ def _peak_rss_mb() -> float:
 
 def run_in_process(spec: RunSpec) -> dict[str, Any]:
     """Generate the data and anonymize it here (the worker side); the contract row plus extras."""
-    from streams.publish import anonymize
+    from kcloak.streams.publish import anonymize
 
     if spec.memory_limit_mb is not None:
         limit = int(spec.memory_limit_mb * 1024 * 1024)
@@ -200,7 +200,7 @@ def run_in_subprocess(spec: RunSpec, *, time_limit_s: float, poll_s: float = 0.2
 
     The child's resident set is also sampled every ``poll_s`` so a killed run still reports a peak.
     """
-    cmd = [sys.executable, "-m", "streams.bench", json.dumps(asdict(spec))]
+    cmd = [sys.executable, "-I", "-m", "kcloak.streams.bench", json.dumps(asdict(spec))]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampled = 0.0
@@ -283,7 +283,7 @@ def run_anonymize_bench(
     config: AnonymizeBenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None
 ) -> list[dict[str, Any]]:
     """Every (size, method) run in its own process; rows in run order."""
-    from streams.publish import METHODS
+    from kcloak.streams.publish import METHODS
 
     validate(config, METHODS)
     rows: list[dict[str, Any]] = []
@@ -296,7 +296,7 @@ def run_anonymize_bench(
 
 
 def _worker(argv: Sequence[str]) -> int:
-    """``python -m streams.bench SPEC_JSON``: one run, its row as one JSON line on stdout."""
+    """``python -m kcloak.streams.bench SPEC_JSON``: one run, its row as one JSON line on stdout."""
     spec = RunSpec(**json.loads(argv[0]))
     sys.stdout.write(json.dumps(run_in_process(spec)) + "\n")
     return 0

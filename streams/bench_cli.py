@@ -8,11 +8,11 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.broker.cli import UsageError
+from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
-    from streams.bench import AnonymizeBenchConfig
+    from kcloak.streams.bench import AnonymizeBenchConfig
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -59,8 +59,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
-    from streams.bench import AnonymizeBenchConfig, BenchError, validate
-    from streams.publish import METHODS
+    from kcloak.streams.bench import AnonymizeBenchConfig, BenchError, validate
+    from kcloak.streams.publish import METHODS
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not 0 <= args.trash_max < 1:
@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
 def run(args: argparse.Namespace) -> int:
     """``kcloak bench anonymize``: 0 when at least one run finished (ok or refused by the bound), else 1."""
 
-    from streams.bench import run_anonymize_bench
+    from kcloak.streams.bench import run_anonymize_bench
 
     config = config_from_args(args)
     show = not args.no_progress and sys.stderr.isatty()

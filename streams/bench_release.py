@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.cli import UsageError
-from cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.broker.cli import UsageError
+from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-    from streams.tables import Table, TableKind
+    from kcloak.streams.tables import Table, TableKind
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -129,9 +129,9 @@ def _bar(enabled: bool, total: int) -> Iterator[tuple[Progress | None, Any]]:
 
 
 def _plan(tables: Sequence[TableKind], algorithms: Sequence[str] | None) -> list[tuple[TableKind, str]]:
-    from cloaking.tabular import ALGORITHMS
-    from streams.release import KM_ALGORITHMS
-    from streams.tables import TableKind
+    from kcloak.cloaking.tabular import ALGORITHMS
+    from kcloak.streams.release import KM_ALGORITHMS
+    from kcloak.streams.tables import TableKind
 
     plan = []
     for t in tables:
@@ -152,8 +152,8 @@ def run_release_rows(
     tick: Callable[[], None] | None = None,
 ) -> list[BenchRow]:
     """Release every (table, algorithm) of ``plan`` at each k; one row each."""
-    from streams.release import ReleaseParams, ReleaseUnsatisfiable, release_table
-    from streams.tables import TableKind
+    from kcloak.streams.release import ReleaseParams, ReleaseUnsatisfiable, release_table
+    from kcloak.streams.tables import TableKind
 
     out: list[BenchRow] = []
     for kind, algo in plan:
@@ -238,9 +238,9 @@ def synthetic_trips(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def mondrian_row(n: int, k: int, seed: int) -> BenchRow:
-    from cloaking.tabular import Unsatisfiable, anonymize_table
-    from streams.release import QUASI_IDENTIFIERS
-    from streams.tables import TableKind
+    from kcloak.cloaking.tabular import Unsatisfiable, anonymize_table
+    from kcloak.streams.release import QUASI_IDENTIFIERS
+    from kcloak.streams.tables import TableKind
 
     rows = synthetic_trips(n, seed)
     started, cpu0 = time.perf_counter(), time.process_time()
@@ -273,11 +273,11 @@ def mondrian_row(n: int, k: int, seed: int) -> BenchRow:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from cloaking.places import load_pois
-    from cloaking.tabular import ALGORITHMS
-    from streams.readers import FixTable, ReaderError, read_fixes
-    from streams.release import KM_ALGORITHMS
-    from streams.tables import BuildOptions, TableKind, build_from_fixes
+    from kcloak.cloaking.places import load_pois
+    from kcloak.cloaking.tabular import ALGORITHMS
+    from kcloak.streams.readers import FixTable, ReaderError, read_fixes
+    from kcloak.streams.release import KM_ALGORITHMS
+    from kcloak.streams.tables import BuildOptions, TableKind, build_from_fixes
 
     try:
         tables_wanted = [TableKind(t) for t in _csv_list(args.tables, "--tables")]

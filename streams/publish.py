@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from streams.kdelta import KDeltaError, KDeltaResult
-from streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
-from streams.readers import FixTable
-from streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
+from kcloak.streams.kdelta import KDeltaError, KDeltaResult
+from kcloak.streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
+from kcloak.streams.readers import FixTable
+from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 METHODS: tuple[str, ...] = ("nwa", "w4m", "microagg")
 """Methods :func:`anonymize` runs (contract §9 ``--method``)."""
@@ -146,11 +146,11 @@ def anonymize(
 
     ``ok`` is false (and ``table`` empty) when fewer than k trajectories are eligible or the trash would
     exceed ``trash_max``: the caller then exits 1 / publishes the window empty. ``tau_s`` (time tolerance,
-    default :data:`~streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
+    default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
     """
-    from streams.kdelta.microagg import microaggregate
-    from streams.kdelta.nwa import nwa
-    from streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
+    from kcloak.streams.kdelta.microagg import microaggregate
+    from kcloak.streams.kdelta.nwa import nwa
+    from kcloak.streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
 
     started = time.perf_counter()
     inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))

@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from streams.readers import FixTable
-from streams.trajectory import Trajectory, trajectories_from_fixes
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.streams.readers import FixTable
+from kcloak.streams.trajectory import Trajectory, trajectories_from_fixes
 
 F64 = npt.NDArray[np.float64]
 

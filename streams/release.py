@@ -1,7 +1,7 @@
 """Table releases (contract §8; CONCEPTS §8): built table in, released rows and report out.
 
-``places`` goes through k^m-anonymity (:mod:`cloaking.tabular.km`, ACD or AA); ``trips``,
-``staypoints`` and ``querylog`` through :func:`cloaking.tabular.anonymize_table`. Either way
+``places`` goes through k^m-anonymity (:mod:`kcloak.cloaking.tabular.km`, ACD or AA); ``trips``,
+``staypoints`` and ``querylog`` through :func:`kcloak.cloaking.tabular.anonymize_table`. Either way
 direct identifiers are dropped, every released row gets a fresh random ``row_id`` (contract §1)
 and rows are written in random order.
 """
@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from broker import __version__
-from cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
-from cloaking.tabular.km import KmAlgorithm, KmError, KmUnsatisfiable, release_places
-from streams.publish import fresh_ids
-from streams.tables import BEFORE_COLUMNS, IDENTIFIERS, Table, TableKind
+from kcloak import __version__
+from kcloak.cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
+from kcloak.cloaking.tabular.km import KmAlgorithm, KmError, KmUnsatisfiable, release_places
+from kcloak.streams.publish import fresh_ids
+from kcloak.streams.tables import BEFORE_COLUMNS, IDENTIFIERS, Table, TableKind
 
 LKind = Literal["distinct", "entropy", "recursive"]
 

@@ -20,19 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from broker.cli import UsageError
-from cloaking.bench_cli import rich_bar
+from kcloak.broker.cli import UsageError
+from kcloak.cloaking.bench_cli import rich_bar
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from streams.release import ReleaseOutcome
+    from kcloak.streams.release import ReleaseOutcome
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Choices spelled out here so that building the parser imports nothing heavy; tests check them
-# against streams.tables (TableKind, SOURCE_FORMATS), cloaking.tabular.ALGORITHMS and
-# streams.release.KM_ALGORITHMS.
+# against kcloak.streams.tables (TableKind, SOURCE_FORMATS), kcloak.cloaking.tabular.ALGORITHMS and
+# kcloak.streams.release.KM_ALGORITHMS.
 TABLES: tuple[str, ...] = ("trips", "staypoints", "places", "querylog")
 SOURCE_FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais", "table", "datadir")
 L_KINDS: tuple[str, ...] = ("distinct", "entropy", "recursive")
@@ -147,9 +147,9 @@ def _say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cloaking.places import PoiFileError, PoiSet, load_pois
-    from streams.release import ReleaseError, ReleaseParams, ReleaseUnsatisfiable, check_params, release_table
-    from streams.tables import BuildOptions, TableError, TableKind, build_table, source_format
+    from kcloak.cloaking.places import PoiFileError, PoiSet, load_pois
+    from kcloak.streams.release import ReleaseError, ReleaseParams, ReleaseUnsatisfiable, check_params, release_table
+    from kcloak.streams.tables import BuildOptions, TableError, TableKind, build_table, source_format
 
     kind = TableKind(args.table)
     params = ReleaseParams(
@@ -232,7 +232,7 @@ def _temp_name(path: Path) -> Path:
 
 def write_release(output: Path, outcome: ReleaseOutcome, report_path: Path | None) -> None:
     """Write OUT, Anatomy's sensitive table and the report, all or none (temporary files, then renames)."""
-    from streams.tables import write_table_csv
+    from kcloak.streams.tables import write_table_csv
 
     pending: list[tuple[Path, Path]] = []
     try:

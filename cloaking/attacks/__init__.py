@@ -1,6 +1,6 @@
 """Attacks on cloaked requests, one class per attacker (CONCEPTS §6; STYLE: ``assess_risk(data, targets)``)."""
 
-from cloaking.attacks.base import (
+from kcloak.cloaking.attacks.base import (
     AttackError,
     AttackName,
     CloakedWorld,
@@ -11,14 +11,14 @@ from cloaking.attacks.base import (
     World,
     tolerance,
 )
-from cloaking.attacks.snapshot import (
+from kcloak.cloaking.attacks.snapshot import (
     BoundaryGuess,
     CentreGuess,
     Homogeneity,
     ObservationIdentification,
     RestrictedSpaceIdentification,
 )
-from cloaking.attacks.tracking import QueryTrackingNaive, QueryTrackingSession
+from kcloak.cloaking.attacks.tracking import QueryTrackingNaive, QueryTrackingSession
 
 __all__ = [
     "AttackError",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cloaking.attacks.base import (
+from kcloak.cloaking.attacks.base import (
     F64,
     I64,
     AttackError,
@@ -23,7 +23,7 @@ from cloaking.attacks.base import (
     Target,
     nan_mean,
 )
-from cloaking.geometry import EARTH_RADIUS_M, UDEG_PER_DEG, haversine_m_array
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, UDEG_PER_DEG, haversine_m_array
 
 M_PER_DEG = EARTH_RADIUS_M * np.pi / 180.0
 
@@ -50,7 +50,7 @@ class CentreGuess(CloakingAttack):
     Keyword arguments:
         policy_aware: candidates C(R) (K1 + K2, default) or every user inside R (K2).
 
-    :func:`cloaking.checks.centre_guess` is the same rule over every present user for one cloaker
+    :func:`kcloak.cloaking.checks.centre_guess` is the same rule over every present user for one cloaker
     call per request; this class reads the regions already forwarded for everyone (it needs them
     for C(R)) and works on the candidate pool instead.
     """
@@ -192,7 +192,7 @@ class RestrictedSpaceIdentification(CloakingAttack):
     """§6.4: the attacker knows every user's home; a region holding exactly one home names its owner.
 
     Homes come with the world (synthetic: drawn by the generator; traces: stay points, see
-    :mod:`cloaking.audit`). A home counts when it lies inside the closed box R.
+    :mod:`kcloak.cloaking.audit`). A home counts when it lies inside the closed box R.
     """
 
     name = AttackName.RESTRICTED_SPACE

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cloaking.attacks.base import (
+from kcloak.cloaking.attacks.base import (
     AttackError,
     AttackName,
     CloakedWorld,
@@ -24,7 +24,7 @@ from cloaking.attacks.base import (
     box_udeg,
     nan_mean,
 )
-from cloaking.geometry import BBox
+from kcloak.cloaking.geometry import BBox
 
 
 def _track(data: CloakedWorld, regions: Sequence[tuple[int, BBox]]) -> set[int]:

@@ -4,7 +4,7 @@
 cloaker through its public protocol only.
 """
 
-from cloaking.checks.reciprocity import (
+from kcloak.cloaking.checks.reciprocity import (
     CandidateSets,
     CentreGuess,
     candidate_sets,
@@ -12,7 +12,7 @@ from cloaking.checks.reciprocity import (
     stored_profiles,
     wilson_interval,
 )
-from cloaking.checks.regions import (
+from kcloak.cloaking.checks.regions import (
     EARTH_RADIUS_M,
     Places,
     Property,

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.checks.regions import haversine_m, join_override
-from cloaking.cloakers.base import Cloaker
-from cloaking.geometry import BBox
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile
+from kcloak.cloaking.checks.regions import haversine_m, join_override
+from kcloak.cloaking.cloakers.base import Cloaker
+from kcloak.cloaking.geometry import BBox
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -138,7 +138,7 @@ def candidate_sets(
 
     ``profiles`` are the stored profiles by view row (default: :func:`stored_profiles`); every
     request, and every user the attacker re-runs, sends ``override`` joined with its own stored
-    profile (:func:`~cloaking.checks.regions.join_override`; None: its stored profile).
+    profile (:func:`~kcloak.cloaking.checks.regions.join_override`; None: its stored profile).
     One ``cloak`` call per present user: C(R) is the group of users sharing the region R.
     """
     stored = profiles if profiles is not None else stored_profiles(view)

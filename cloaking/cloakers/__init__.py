@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from cloaking.cloakers.base import (
+from kcloak.cloaking.cloakers.base import (
     BATCH_CODES,
     STATUS_OK,
     BatchResult,
@@ -20,12 +20,12 @@ from cloaking.cloakers.base import (
 
 # name -> "module:Class"; modules are imported on first use.
 _REGISTRY: dict[str, str] = {
-    "nn": "cloaking.cloakers.nn:NearestNeighbourCloak",
-    "interval": "cloaking.cloakers.interval:IntervalCloak",
-    "casper": "cloaking.cloakers.casper:CasperCloak",
-    "hilbert": "cloaking.cloakers.hilbert:HilbertCloak",
-    "clique": "cloaking.cloakers.clique:CliqueCloak",
-    "privacygrid": "cloaking.cloakers.privacygrid:PrivacyGridCloak",
+    "nn": "kcloak.cloaking.cloakers.nn:NearestNeighbourCloak",
+    "interval": "kcloak.cloaking.cloakers.interval:IntervalCloak",
+    "casper": "kcloak.cloaking.cloakers.casper:CasperCloak",
+    "hilbert": "kcloak.cloaking.cloakers.hilbert:HilbertCloak",
+    "clique": "kcloak.cloaking.cloakers.clique:CliqueCloak",
+    "privacygrid": "kcloak.cloaking.cloakers.privacygrid:PrivacyGridCloak",
 }
 SPATIAL_ALGORITHMS: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -41,7 +41,7 @@ def get_cloaker(name: str, **params: Any) -> Any:
     """A cloaker instance by its contract name (``--algorithm`` values).
 
     Snapshot cloakers satisfy :class:`Cloaker`; ``clique`` holds requests and is driven by an
-    explicit clock instead (see :mod:`cloaking.cloakers.clique`).
+    explicit clock instead (see :mod:`kcloak.cloaking.cloakers.clique`).
     """
     return cloaker_class(name)(**params)
 

@@ -1,7 +1,7 @@
 """The common contract of every spatial cloaker (CONCEPTS §4.0).
 
 A cloaker is a strategy object: ``cloak(view, row, profile)`` returns a :class:`Region` or a
-:class:`Refusal` for the user at ``row`` of an immutable :class:`~cloaking.index.IndexView`
+:class:`Refusal` for the user at ``row`` of an immutable :class:`~kcloak.cloaking.index.IndexView`
 under its effective profile; ``cloak_batch`` does the same for many requests against one
 view and returns columns. Cloakers are deterministic given the view (its epoch seed
 included) and cache per-view state in ``view.cache``.
@@ -15,9 +15,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.geometry import BBox, expand_to_area
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.geometry import BBox, expand_to_area
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, np.int64)

@@ -22,8 +22,8 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers.base import BatchResult, CloakResult, Region
-from cloaking.cloakers.interval import (
+from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, Region
+from kcloak.cloaking.cloakers.interval import (
     KIND_CELL,
     KIND_HPAIR,
     KIND_VPAIR,
@@ -51,10 +51,10 @@ from cloaking.cloakers.interval import (
     run_start,
     shortfall,
 )
-from cloaking.geometry import coordinate_key
-from cloaking.grid import GRID_BITS
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.geometry import coordinate_key
+from kcloak.cloaking.grid import GRID_BITS
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]

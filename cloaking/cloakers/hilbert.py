@@ -17,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers.base import (
+from kcloak.cloaking.cloakers.base import (
     STATUS_OF,
     BatchResult,
     CloakResult,
@@ -25,7 +25,7 @@ from cloaking.cloakers.base import (
     Region,
     refuse,
 )
-from cloaking.geometry import (
+from kcloak.cloaking.geometry import (
     EARTH_RADIUS_M,
     MAX_REGION_AREA_M2,
     UDEG_PER_DEG,
@@ -36,9 +36,9 @@ from cloaking.geometry import (
     expand_to_area,
     key_bounds_array,
 )
-from cloaking.grid import GRID_BITS, GRID_OFFSET
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -237,7 +237,7 @@ def group_extents(values_sorted: npt.ArrayLike, bounds: npt.ArrayLike) -> tuple[
 
 
 def bboxes_around_keys(min_lon_key: I64, min_lat_key: I64, max_lon_key: I64, max_lat_key: I64) -> I64:
-    """Vectorized :func:`cloaking.geometry.bbox_around_keys`: ``(m, 4)`` micro-degree boxes."""
+    """Vectorized :func:`kcloak.cloaking.geometry.bbox_around_keys`: ``(m, 4)`` micro-degree boxes."""
     return np.stack(
         [
             np.maximum((min_lon_key - 1) >> 1, -WORLD_LON_UDEG),

@@ -5,8 +5,8 @@ and has area ≥ ``min_area_m2``. Both the count and the area shrink monotonical
 path, so the qualifying levels form a prefix of it and the deepest one is found by a binary search
 over levels (about five O(log n) bisects instead of a descent through up to 29 levels).
 
-The module also holds the quadtree machinery that :mod:`cloaking.cloakers.casper` and
-:mod:`cloaking.temporal` share: the per-view :class:`QuadtreeCounts`, cell areas with the contract
+The module also holds the quadtree machinery that :mod:`kcloak.cloaking.cloakers.casper` and
+:mod:`kcloak.cloaking.temporal` share: the per-view :class:`QuadtreeCounts`, cell areas with the contract
 formula (cells clipped to the world) and the published bbox of a cell rectangle (§2.2).
 """
 
@@ -19,11 +19,18 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, Region, finish_region, refuse
-from cloaking.geometry import UDEG_PER_DEG, WORLD_LAT_UDEG, WORLD_LON_UDEG, BBox, bbox_area_m2, bbox_area_m2_array
-from cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, Region, finish_region, refuse
+from kcloak.cloaking.geometry import (
+    UDEG_PER_DEG,
+    WORLD_LAT_UDEG,
+    WORLD_LON_UDEG,
+    BBox,
+    bbox_area_m2,
+    bbox_area_m2_array,
+)
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -141,7 +148,7 @@ def cell_code_base(level: int, cx: int, cy: int) -> tuple[int, int]:
 
 
 def grid_coord(key: int, axis: Literal["lon", "lat"]) -> int:
-    """Scalar :func:`cloaking.grid.grid_coords`: a coordinate on +180° / +90° goes to the cell below."""
+    """Scalar :func:`kcloak.cloaking.grid.grid_coords`: a coordinate on +180° / +90° goes to the cell below."""
     top = 2 * (WORLD_LON_UDEG if axis == "lon" else WORLD_LAT_UDEG)
     return (key >> 1) + GRID_OFFSET - (key == top)
 

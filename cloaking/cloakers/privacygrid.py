@@ -1,6 +1,6 @@
 """PrivacyGrid (Bamba, Liu, Pesti, Wang, WWW 2008): k-anonymity with location l-diversity (CONCEPTS §4.6).
 
-Regions are rectangles of cells of the micro-degree quadtree grid (:mod:`cloaking.grid`) at one
+Regions are rectangles of cells of the micro-degree quadtree grid (:mod:`kcloak.cloaking.grid`) at one
 level, grown from the querier's cell (bottom-up) or shrunk from the largest admissible rectangle
 centred on it (top-down). User counts of cell rectangles come from a per-view summed-area table,
 place categories (§1.6) from the places layer indexed once per cloaker; the published bbox is
@@ -18,8 +18,8 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.cloakers.base import BatchResult, CloakResult, Region, cloak_each, refuse
-from cloaking.geometry import (
+from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, Region, cloak_each, refuse
+from kcloak.cloaking.geometry import (
     EARTH_RADIUS_M,
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
@@ -27,10 +27,10 @@ from cloaking.geometry import (
     coordinate_keys,
     expand_to_area,
 )
-from cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords
-from cloaking.index import IndexView
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 Rect = tuple[int, int, int, int]

@@ -7,10 +7,10 @@ k-anonymity, ℓ-diversity (distinct, entropy, recursive (c, ℓ)) and t-closene
 
 from __future__ import annotations
 
-from cloaking.tabular._errors import InvalidInput, NotApplicable, TabularError, Unsatisfiable
-from cloaking.tabular._release import ALGORITHMS, TabularRelease, anonymize_table
-from cloaking.tabular._table import QuasiIdentifier
-from cloaking.tabular.hierarchy import (
+from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable, TabularError, Unsatisfiable
+from kcloak.cloaking.tabular._release import ALGORITHMS, TabularRelease, anonymize_table
+from kcloak.cloaking.tabular._table import QuasiIdentifier
+from kcloak.cloaking.tabular.hierarchy import (
     CategoricalHierarchy,
     GridHierarchy,
     Hierarchy,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class TabularError(Exception):
-    """Base of every error raised by :mod:`cloaking.tabular`."""
+    """Base of every error raised by :mod:`kcloak.cloaking.tabular`."""
 
 
 class NotApplicable(TabularError, ValueError):

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import Unsatisfiable
-from cloaking.tabular._table import Table
+from kcloak.cloaking.tabular._errors import Unsatisfiable
+from kcloak.cloaking.tabular._table import Table
 
 IntArray = npt.NDArray[np.int64]
 

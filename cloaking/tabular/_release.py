@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import InvalidInput, NotApplicable
-from cloaking.tabular._table import Outcome, QuasiIdentifier, Table
-from cloaking.tabular.criteria import (
+from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable
+from kcloak.cloaking.tabular._table import Outcome, QuasiIdentifier, Table
+from kcloak.cloaking.tabular.criteria import (
     CriteriaSet,
     LKind,
     OrderedDistance,
@@ -20,8 +20,8 @@ from cloaking.tabular.criteria import (
     build_criteria,
     l_achieved,
 )
-from cloaking.tabular.hierarchy import CategoricalHierarchy
-from cloaking.tabular.metrics import release_metrics
+from kcloak.cloaking.tabular.hierarchy import CategoricalHierarchy
+from kcloak.cloaking.tabular.metrics import release_metrics
 
 IntArray = npt.NDArray[np.int64]
 
@@ -61,19 +61,19 @@ _EMPTY = SensitiveColumn("", ("",), np.zeros(1, dtype=np.int64), False, OrderedD
 
 def _run(name: str) -> Callable[[Table, np.random.Generator], Outcome]:
     if name in ("samarati", "incognito", "ola"):
-        from cloaking.tabular import lattice
+        from kcloak.cloaking.tabular import lattice
 
         return {"samarati": lattice.run_samarati, "incognito": lattice.run_incognito, "ola": lattice.run_ola}[name]
     if name in ("mondrian", "mondrian-relaxed"):
-        from cloaking.tabular import mondrian
+        from kcloak.cloaking.tabular import mondrian
 
         return mondrian.run_strict if name == "mondrian" else mondrian.run_relaxed
     if name == "mdav":
-        from cloaking.tabular import mdav
+        from kcloak.cloaking.tabular import mdav
 
         return mdav.run_mdav
     if name == "kaca":
-        from cloaking.tabular import kaca
+        from kcloak.cloaking.tabular import kaca
 
         return kaca.run_kaca
     raise NotApplicable(f"unknown tabular algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -141,7 +141,7 @@ def anonymize_table(
     table = Table(n, tuple(quasi_identifiers), columns, criteria, math.floor(max_suppression * n + 1e-9))
     rng = np.random.default_rng(seed)
     if algorithm == "anatomy":
-        from cloaking.tabular.anatomy import run_anatomy
+        from kcloak.cloaking.tabular.anatomy import run_anatomy
 
         return run_anatomy(table, rows, rng)
     outcome = _run(algorithm)(table, rng)

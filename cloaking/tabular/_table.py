@@ -9,9 +9,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import InvalidInput
-from cloaking.tabular.criteria import CriteriaSet
-from cloaking.tabular.hierarchy import (
+from kcloak.cloaking.tabular._errors import InvalidInput
+from kcloak.cloaking.tabular.criteria import CriteriaSet
+from kcloak.cloaking.tabular.hierarchy import (
     CategoricalHierarchy,
     EncodedHierarchy,
     Hierarchy,
@@ -32,7 +32,7 @@ class QuasiIdentifier:
     """One quasi-identifier: a column, or a (lat, lon) column pair for ``kind="latlon"`` (CONCEPTS §8.1).
 
     ``hierarchy`` is used by the hierarchy-based algorithms (Samarati, Incognito, OLA, KACA); when None a
-    default is built from the data (:func:`cloaking.tabular.hierarchy.default_hierarchy`). Mondrian uses a
+    default is built from the data (:func:`kcloak.cloaking.tabular.hierarchy.default_hierarchy`). Mondrian uses a
     categorical hierarchy's leaf order as the attribute's order.
     """
 

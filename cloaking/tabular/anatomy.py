@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import Unsatisfiable
-from cloaking.tabular._groups import repair
-from cloaking.tabular._release import TabularRelease, achieved
-from cloaking.tabular._table import Table
+from kcloak.cloaking.tabular._errors import Unsatisfiable
+from kcloak.cloaking.tabular._groups import repair
+from kcloak.cloaking.tabular._release import TabularRelease, achieved
+from kcloak.cloaking.tabular._table import Table
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

@@ -16,8 +16,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import InvalidInput, NotApplicable
-from cloaking.tabular.hierarchy import CategoricalHierarchy, format_number
+from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable
+from kcloak.cloaking.tabular.hierarchy import CategoricalHierarchy, format_number
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import InvalidInput
+from kcloak.cloaking.tabular._errors import InvalidInput
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

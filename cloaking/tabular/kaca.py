@@ -3,7 +3,7 @@
 Local recoding: start from the classes of identical QI tuples and repeatedly merge a class that fails the
 criteria (chosen at random, seeded) into the class that is cheapest to merge with; both are generalized to the
 tuple of per-attribute lowest common ancestors ``g``. ``merge_cost(C, D) = |C|·WHD(C → g) + |D|·WHD(D → g)``
-⚠ with the weighted hierarchical distance of :func:`cloaking.tabular.metrics.whd`. Ties: the smaller merged
+⚠ with the weighted hierarchical distance of :func:`kcloak.cloaking.tabular.metrics.whd`. Ties: the smaller merged
 class, then a seeded random choice. Cost O(|E|² · Σ heights) for |E| initial classes.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import Unsatisfiable
-from cloaking.tabular._table import Outcome, Table
-from cloaking.tabular.hierarchy import factorize
-from cloaking.tabular.lattice import _changed_cells
-from cloaking.tabular.metrics import whd
+from kcloak.cloaking.tabular._errors import Unsatisfiable
+from kcloak.cloaking.tabular._table import Outcome, Table
+from kcloak.cloaking.tabular.hierarchy import factorize
+from kcloak.cloaking.tabular.lattice import _changed_cells
+from kcloak.cloaking.tabular.metrics import whd
 
 IntArray = npt.NDArray[np.int64]
 

@@ -16,10 +16,10 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import Unsatisfiable
-from cloaking.tabular._table import Outcome, Table
-from cloaking.tabular.hierarchy import EncodedHierarchy, factorize
-from cloaking.tabular.metrics import discernibility
+from kcloak.cloaking.tabular._errors import Unsatisfiable
+from kcloak.cloaking.tabular._table import Outcome, Table
+from kcloak.cloaking.tabular.hierarchy import EncodedHierarchy, factorize
+from kcloak.cloaking.tabular.metrics import discernibility
 
 IntArray = npt.NDArray[np.int64]
 Node = tuple[int, ...]

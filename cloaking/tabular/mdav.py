@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import NotApplicable
-from cloaking.tabular._groups import repair
-from cloaking.tabular._table import Outcome, Table
-from cloaking.tabular.hierarchy import format_number
+from kcloak.cloaking.tabular._errors import NotApplicable
+from kcloak.cloaking.tabular._groups import repair
+from kcloak.cloaking.tabular._table import Outcome, Table
+from kcloak.cloaking.tabular.hierarchy import format_number
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cloaking.tabular._table import Outcome
+from kcloak.cloaking.tabular._table import Outcome
 
 WHD_BETA = 1.0
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.tabular._errors import Unsatisfiable
-from cloaking.tabular._table import Axis, Outcome, Table
-from cloaking.tabular.criteria import CriteriaSet, DistinctLDiversity, KAnonymity
-from cloaking.tabular.hierarchy import format_number
+from kcloak.cloaking.tabular._errors import Unsatisfiable
+from kcloak.cloaking.tabular._table import Axis, Outcome, Table
+from kcloak.cloaking.tabular.criteria import CriteriaSet, DistinctLDiversity, KAnonymity
+from kcloak.cloaking.tabular.hierarchy import format_number
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

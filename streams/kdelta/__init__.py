@@ -1,7 +1,7 @@
 """(k,δ)-anonymous trajectory publication algorithms (CONCEPTS §7.2–§7.5).
 
-Each algorithm takes :class:`~streams.trajectory.Trajectory` objects with ≥ 2 instants and returns a
-:class:`KDeltaResult`: the anonymized trajectories (still under their input ids; :mod:`streams.publish`
+Each algorithm takes :class:`~kcloak.streams.trajectory.Trajectory` objects with ≥ 2 instants and returns a
+:class:`KDeltaResult`: the anonymized trajectories (still under their input ids; :mod:`kcloak.streams.publish`
 gives them fresh ids and shuffles them), the resampled originals they replace, the groups and the trash.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from cloaking.geometry import EARTH_RADIUS_M
-from streams.trajectory import Trajectory
+from kcloak.cloaking.geometry import EARTH_RADIUS_M
+from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 

@@ -27,9 +27,9 @@ import numpy.typing as npt
 from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
-from cloaking.geometry import EARTH_RADIUS_M
-from streams.kdelta import KDeltaResult, check_params, from_unit, to_unit, trash_limit
-from streams.trajectory import Trajectory
+from kcloak.cloaking.geometry import EARTH_RADIUS_M
+from kcloak.streams.kdelta import KDeltaResult, check_params, from_unit, to_unit, trash_limit
+from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

@@ -20,8 +20,8 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from cloaking.geometry import EARTH_RADIUS_M, Aeqd
-from streams.kdelta import (
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, Aeqd
+from kcloak.streams.kdelta import (
     KDeltaResult,
     angle_between,
     check_params,
@@ -29,7 +29,7 @@ from streams.kdelta import (
     to_unit,
     trash_limit,
 )
-from streams.trajectory import Trajectory
+from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

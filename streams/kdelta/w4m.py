@@ -17,7 +17,7 @@ time-tolerant edit distance and then edits each cluster member in time *and* spa
   matched with a pivot sample takes the pivot's instant (time shift ≤ τ), unmatched member samples are
   deleted, and at pivot instants without a match the member's interpolated position is inserted (its
   source instant is the pivot instant clamped to the member's span). All members thus share the pivot's
-  instants; NWA's space translation (:func:`streams.kdelta.nwa.space_translate`) then puts them at every
+  instants; NWA's space translation (:func:`kcloak.streams.kdelta.nwa.space_translate`) then puts them at every
   instant within δ/2 of the centroid, hence pairwise within δ (contract §7).
 
 ``originals[i]`` of the result holds, per published point, the source instant and the source position,
@@ -51,10 +51,10 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from cloaking.geometry import Aeqd
-from streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
-from streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
-from streams.trajectory import Trajectory
+from kcloak.cloaking.geometry import Aeqd
+from kcloak.streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
+from kcloak.streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
+from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 F32 = npt.NDArray[np.float32]

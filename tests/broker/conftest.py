@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from broker.config import Config
-from broker.mqtt import free_port
-from broker.service import Broker
+from kcloak.broker.config import Config
+from kcloak.broker.mqtt import free_port
+from kcloak.broker.service import Broker
 
 
 @dataclass

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from broker.auth import TokenLine, TokensFileError, TokenStore, parse_tokens, token_digest
+from kcloak.broker.auth import TokenLine, TokensFileError, TokenStore, parse_tokens, token_digest
 
 
 def test_plain_hashed_rotation_and_comments() -> None:

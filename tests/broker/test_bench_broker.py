@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from broker.bench import BrokerBenchConfig, run_broker_bench
+from kcloak.broker.bench import BrokerBenchConfig, run_broker_bench
 
 ROW_FIELDS = {
     "transport",
@@ -38,7 +38,7 @@ def test_short_run_reports_every_field_with_answered_queries() -> None:
 
 def test_cli_rejects_bad_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "bench", "broker", "--duration", "0", "--json"],
+        [sys.executable, "-I", "-m", "kcloak.broker.cli", "bench", "broker", "--duration", "0", "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -53,8 +53,8 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
     others'; only its own may free a slot of its window, or closed loop turns into a flood. An
     answerer in the test replies to every query, in bursts, and tracks each client's outstanding
     queries."""
-    from broker.bench import QUERY_WINDOW, _mqtt_query_worker, _run_workers, _split, mosquitto
-    from broker.mqtt_intake import Incoming, IntakeConnection
+    from kcloak.broker.bench import QUERY_WINDOW, _mqtt_query_worker, _run_workers, _split, mosquitto
+    from kcloak.broker.mqtt_intake import Incoming, IntakeConnection
 
     outstanding: dict[str, int] = {}
     most: dict[str, int] = {}

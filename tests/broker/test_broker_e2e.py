@@ -22,7 +22,7 @@ import aiomqtt
 import pytest
 from aiohttp import ClientSession
 
-from broker.service import Broker
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 R = 6_371_008.8
@@ -278,8 +278,8 @@ async def test_concurrent_queries_are_micro_batched_and_stay_private(
 async def test_answers_through_the_real_lbs_equal_the_exact_answer(tmp_path: Path) -> None:
     """Broker + ``kcloak lbs`` on the bundled Beijing POIs: the inclusive candidate set filtered at
     the exact position gives exactly the answer computed over all POIs."""
-    from broker.lbs_server import LbsServer
-    from cloaking.places import load_pois
+    from kcloak.broker.lbs_server import LbsServer
+    from kcloak.cloaking.places import load_pois
 
     poiset = load_pois(None)
     pois = [

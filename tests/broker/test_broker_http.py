@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import ClientSession
 
-from broker.auth import TokenStore, parse_tokens
-from broker.service import Broker
+from kcloak.broker.auth import TokenStore, parse_tokens
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 

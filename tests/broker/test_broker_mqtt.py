@@ -10,7 +10,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from broker.service import Broker
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 
@@ -85,7 +85,7 @@ async def test_profile_request_id_outside_its_pattern_is_refused_not_echoed(
 
 async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path, spy: SpyUpstream) -> None:
     """A retained fix left on the MQTT broker would replay at every restart: it is dropped."""
-    from broker.bench import mosquitto
+    from kcloak.broker.bench import mosquitto
 
     with mosquitto(tmp_path) as (port, _):
         async with aiomqtt.Client("127.0.0.1", port) as c:
@@ -104,7 +104,7 @@ async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path
 
 async def test_embedded_broker_with_tokens_enforces_the_acl(tmp_path: Path, spy: SpyUpstream, mqtt_port: int) -> None:
     """With tokens, the embedded broker authenticates users and pins each one to its own topics."""
-    from broker.auth import TokenStore
+    from kcloak.broker.auth import TokenStore
 
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text("alice:tokA\nbob:tokB\n")
@@ -147,7 +147,7 @@ async def test_embedded_broker_with_tokens_enforces_the_acl(tmp_path: Path, spy:
 async def test_broker_status_is_retained_up_then_down(tmp_path: Path, spy: SpyUpstream) -> None:
     """``kcloak/v1/broker/status`` is retained: ``up`` while serving, ``down`` with a time after a
     graceful stop (contract §3)."""
-    from broker.bench import mosquitto
+    from kcloak.broker.bench import mosquitto
 
     with mosquitto(tmp_path) as (port, _):
         cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": f"mqtt://127.0.0.1:{port}"})
@@ -171,7 +171,7 @@ async def test_broker_status_is_retained_up_then_down(tmp_path: Path, spy: SpyUp
 
 
 def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -> None:
-    from broker.mqtt_intake import MalformedFrame, encode_packet, split_frames
+    from kcloak.broker.mqtt_intake import MalformedFrame, encode_packet, split_frames
 
     small, big = encode_packet(4, 0, b"\x00\x07"), encode_packet(3, 0, b"x" * 300)  # 300: two length bytes
     buf = bytearray(small + big + big[:5])
@@ -187,7 +187,7 @@ def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -
 def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
     """CONNECT laid out by hand from the specification (§3.1): fixed header, protocol name and
     level, connect flags, keep-alive, then client id, will topic and message, username, password."""
-    from broker.mqtt_intake import encode_connect
+    from kcloak.broker.mqtt_intake import encode_connect
 
     header = b"\x00\x04MQTT\x04"
     with_login = encode_connect("c", username="u", password="p", keepalive_s=30)
@@ -197,8 +197,8 @@ def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
 
 
 async def test_intake_start_raises_instead_of_waiting_when_it_cannot_connect() -> None:
-    from broker.mqtt import free_port
-    from broker.mqtt_intake import IntakeConnection, MqttIntakeError
+    from kcloak.broker.mqtt import free_port
+    from kcloak.broker.mqtt_intake import IntakeConnection, MqttIntakeError
 
     conn = IntakeConnection(
         host="127.0.0.1", port=free_port(), username=None, password=None, filters=["x/+"], on_messages=lambda _: None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import Config, ConfigError, is_loopback, parse_listen
+from kcloak.broker.config import Config, ConfigError, is_loopback, parse_listen
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

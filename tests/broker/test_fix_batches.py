@@ -7,9 +7,9 @@ import asyncio
 import time
 from typing import Any
 
-from broker.pipeline import FIX_CHUNK
-from broker.service import Broker
-from cloaking.profile import ReasonCode
+from kcloak.broker.pipeline import FIX_CHUNK
+from kcloak.broker.service import Broker
+from kcloak.cloaking.profile import ReasonCode
 
 
 def _expected(items: list[tuple[str, dict[str, Any]]]) -> list[str | None]:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.lbs import (
+from kcloak.broker.lbs import (
     LbsEngine,
     LonLatBox,
     _dist_to_pieces,
@@ -19,8 +19,8 @@ from broker.lbs import (
     planar_casper_bound,
     planar_knn_candidates,
 )
-from cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from cloaking.places import Poi, PoiSet, load_pois
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.cloaking.places import Poi, PoiSet, load_pois
 
 M_PER_DEG = EARTH_RADIUS_M * math.pi / 180
 
@@ -402,7 +402,7 @@ def test_lonlatbox_rejects_bad_boxes() -> None:
 def _dense_union(pois: PoiSet, box: LonLatBox, kind: str, param: float, per_edge: int = 200) -> set[int]:
     """Exact union over the region (§1.7), approximated by the POIs inside plus dense edge points.
 
-    By the boundary reduction of ``broker.lbs`` every answer at an interior point is inside the box
+    By the boundary reduction of ``kcloak.broker.lbs`` every answer at an interior point is inside the box
     or in the answer of a boundary point.
     """
     inside = (

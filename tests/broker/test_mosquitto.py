@@ -19,12 +19,12 @@ from typing import Any
 import aiomqtt
 import pytest
 
-from broker.auth import TokenStore
-from broker.cli import main as cli_main
-from broker.mosquitto import mosquitto_hash
-from broker.mqtt import free_port
-from broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
-from broker.service import Broker
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.cli import main as cli_main
+from kcloak.broker.mosquitto import mosquitto_hash
+from kcloak.broker.mqtt import free_port
+from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from broker.mqtt_intake import (
+from kcloak.broker.mqtt_intake import (
     CONNACK,
     CONNECT,
     PINGREQ,
@@ -35,7 +35,7 @@ from broker.mqtt_intake import (
     encode_packet,
     encode_utf8,
 )
-from broker.service import Broker
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 

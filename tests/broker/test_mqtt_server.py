@@ -25,12 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from paho.mqtt.enums import CallbackAPIVersion
 
-from broker import __version__
-from broker.auth import TokenLine, TokenStore, token_digest
-from broker.metrics import Metrics
-from broker.mqtt_intake import encode_packet, encode_utf8, split_frames
-from broker.mqtt_server import MqttServer, topic_matches
-from broker.service import Broker
+from kcloak import __version__
+from kcloak.broker.auth import TokenLine, TokenStore, token_digest
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.mqtt_intake import encode_packet, encode_utf8, split_frames
+from kcloak.broker.mqtt_server import MqttServer, topic_matches
+from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 needs_mosquitto_clients = pytest.mark.skipif(

@@ -24,16 +24,16 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from broker.auth import TokenStore
-from broker.config import Config, ConfigError
-from broker.metrics import Metrics
-from broker.mqtt_intake import MqttIntakeError
-from broker.publication import PROCESS_MIN_ROWS, TOPIC, Window, WindowPublisher, WindowState, window_start
-from broker.service import Broker
-from broker.stores import MovementStore
-from streams.publish import METHODS
-from streams.quality import publication_format_problems, verify_k_delta
-from streams.readers import read_contract_csv
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.config import Config, ConfigError
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.mqtt_intake import MqttIntakeError
+from kcloak.broker.publication import PROCESS_MIN_ROWS, TOPIC, Window, WindowPublisher, WindowState, window_start
+from kcloak.broker.service import Broker
+from kcloak.broker.stores import MovementStore
+from kcloak.streams.publish import METHODS
+from kcloak.streams.quality import publication_format_problems, verify_k_delta
+from kcloak.streams.readers import read_contract_csv
 from tests.broker.conftest import SpyUpstream, broker_config
 
 K = 3
@@ -272,10 +272,10 @@ async def test_too_few_users_publish_the_window_empty(tmp_path: Path) -> None:
 
 async def test_large_window_is_split_into_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts hold at most ``PART_ROWS`` rows (10,000; lowered here to keep the test small), in file order."""
-    import broker.publication
+    import kcloak.broker.publication
 
-    assert broker.publication.PART_ROWS == 10_000
-    monkeypatch.setattr(broker.publication, "PART_ROWS", 25)
+    assert kcloak.broker.publication.PART_ROWS == 10_000
+    monkeypatch.setattr(kcloak.broker.publication, "PART_ROWS", 25)
     clock = Clock(3000.0)
     out = Outbox()
     users = [f"u{i}" for i in range(6)]
@@ -478,7 +478,7 @@ async def wait_for(check: Any, timeout_s: float = 10.0) -> Any:
 
 @pytest.fixture
 def mosquitto_port(tmp_path: Path) -> Iterator[int]:
-    from broker.bench import mosquitto
+    from kcloak.broker.bench import mosquitto
 
     with mosquitto(tmp_path) as (port, _):
         yield port

@@ -1,7 +1,7 @@
 """Continuous sessions through a real broker (contract §6; CONCEPTS §6.5).
 
 The guarantee is checked from the outside: the spy upstream records every forwarded region, and
-the independent checker of :mod:`cloaking.checks` judges each one against the true positions the
+the independent checker of :mod:`kcloak.cloaking.checks` judges each one against the true positions the
 test sent — every present member of the group fixed at the start is strictly inside and at least
 k members are present, so the intersection of the session's user sets never drops below k. The
 same movements without a session let that intersection shrink below k (query tracking).
@@ -21,8 +21,8 @@ import aiomqtt
 import numpy as np
 from aiohttp import ClientSession
 
-from broker.service import Broker
-from cloaking.checks import Snapshot, strictly_inside, users_inside
+from kcloak.broker.service import Broker
+from kcloak.cloaking.checks import Snapshot, strictly_inside, users_inside
 from tests.broker.conftest import SpyUpstream, broker_config
 
 STALE_S = 2.0

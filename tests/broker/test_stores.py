@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sqlite3
 import stat
@@ -16,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
-from cloaking.profile import PrivacyProfile
+from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
+from kcloak.cloaking.profile import PrivacyProfile
 
 
 def test_data_dir_is_private_and_locked(tmp_path: Path) -> None:
@@ -101,7 +100,7 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
         f"""
         import asyncio, sys
         from pathlib import Path
-        from broker.stores import MovementStore
+        from kcloak.broker.stores import MovementStore
         async def main():
             store = MovementStore(Path({str(db)!r}))
             for b in range(10_000):
@@ -110,8 +109,7 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
         asyncio.run(main())
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-I", "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     acked = -1
     for line in proc.stdout:

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from broker import __version__
-from broker.metrics import Metrics
-from broker.mqtt import free_port
-from broker.upstream import MAX_RESPONSE_BYTES, Candidate, SearchRequest, UpstreamClient, UpstreamError
+from kcloak import __version__
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.mqtt import free_port
+from kcloak.broker.upstream import MAX_RESPONSE_BYTES, Candidate, SearchRequest, UpstreamClient, UpstreamError
 
 BBOX = [116.391204, 39.903381, 116.402877, 39.913012]
 PSEUDONYM_RE = re.compile(r"[0-9a-f]{32}")

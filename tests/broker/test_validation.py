@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.auth import HEX64_RE, TOKEN_RE
-from broker.publication import Window
-from broker.validation import (
+from kcloak.broker.auth import HEX64_RE, TOKEN_RE
+from kcloak.broker.publication import Window
+from kcloak.broker.validation import (
     CATEGORY_RE,
     SESSION_ID_RE,
     InvalidInput,
@@ -23,8 +23,8 @@ from broker.validation import (
     valid_query_id,
     valid_user_id,
 )
-from cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
-from streams.quality import PUBLISHED_ID
+from kcloak.cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
+from kcloak.streams.quality import PUBLISHED_ID
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from cloaking.checks import candidate_sets, centre_guess, wilson_interval
-from cloaking.cloakers import get_cloaker
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile
+from kcloak.cloaking.checks import candidate_sets, centre_guess, wilson_interval
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile
 
 F64 = npt.NDArray[np.float64]
 K = 5

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cli import main
-from cloaking.attacks import (
+from kcloak.broker.cli import main
+from kcloak.cloaking.attacks import (
     BoundaryGuess,
     CentreGuess,
     CloakedWorld,
@@ -31,13 +31,13 @@ from cloaking.attacks import (
     World,
     tolerance,
 )
-from cloaking.audit import cloak_world, snapshot_targets, stay_points, synthetic_world, tracking_targets
-from cloaking.checks import candidate_sets, wilson_interval
-from cloaking.cloakers import get_cloaker
-from cloaking.geometry import BBox
-from cloaking.index import IndexView
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile
+from kcloak.cloaking.audit import cloak_world, snapshot_targets, stay_points, synthetic_world, tracking_targets
+from kcloak.cloaking.checks import candidate_sets, wilson_interval
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.geometry import BBox
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile
 
 K = 5
 PROFILE = PrivacyProfile(k=K)
@@ -69,7 +69,8 @@ def test_tolerance_is_the_wilson_excess_over_one_over_k() -> None:
 
 
 def test_policy_aware_candidate_sets_agree_with_the_reciprocity_evaluator(cloaked: dict[str, CloakedWorld]) -> None:
-    """C(R) from grouping identical forwarded boxes equals ``cloaking.checks.candidate_sets`` (one cloak per user)."""
+    """C(R) from grouping identical forwarded boxes equals ``kcloak.cloaking.checks.candidate_sets``
+    (one cloak per user)."""
     for name, cw in cloaked.items():
         view = cw.world.frames[0]
         fwd = cw.forwarded[0]

@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-import cloaking.bench as bench
-import cloaking.cloakers as registry
-from broker.cli import main
-from cloaking.bench import (
+import kcloak.cloaking.bench as bench
+import kcloak.cloaking.cloakers as registry
+from kcloak.broker.cli import main
+from kcloak.cloaking.bench import (
     CONTRACT_FIELDS,
     CloakBenchConfig,
     NullProgress,
@@ -25,12 +25,12 @@ from cloaking.bench import (
     run_cloak_bench,
     snapshot_population,
 )
-from cloaking.cloakers.base import BatchResult, CloakResult, cloak_each, finish_region, refuse
-from cloaking.geometry import BBox
-from cloaking.grid import cell_udeg
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
-from streams.readers import FixTable
+from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, cloak_each, finish_region, refuse
+from kcloak.cloaking.geometry import BBox
+from kcloak.cloaking.grid import cell_udeg
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.streams.readers import FixTable
 
 HERE = "tests.cloaking.test_bench"
 
@@ -115,7 +115,7 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
         interval=f"{HERE}:CellCloak",
         casper=f"{HERE}:BrokenBatchCloak",
         hilbert=f"{HERE}:CrashingCloak",
-        privacygrid="cloaking.cloakers.no_such_module:Nothing",
+        privacygrid="kcloak.cloaking.cloakers.no_such_module:Nothing",
     )
     monkeypatch.setattr(registry, "_REGISTRY", table)
     monkeypatch.setattr(bench, "load_nn_area", lambda: None)
@@ -353,7 +353,7 @@ def test_area_ratio_to_nn_uses_the_reference(fakes: None, monkeypatch: pytest.Mo
     report = run_cloak_bench(pop, CloakBenchConfig(algorithms=("nn",), k=4, requests=200, seed=5))
     row = report.rows[0]
     assert row.area_ratio_to_nn == pytest.approx(1.0)
-    assert report.to_json()["area_reference"] == "cloaking.cloakers.nn.nn_mbr_area_m2"
+    assert report.to_json()["area_reference"] == "kcloak.cloaking.cloakers.nn.nn_mbr_area_m2"
 
 
 # -- the real cloakers, as they land ----------------------------------------------------------

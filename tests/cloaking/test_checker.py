@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cloaking.checks.regions as regions_module
-from cloaking.checks import (
+import kcloak.cloaking.checks.regions as regions_module
+from kcloak.cloaking.checks import (
     Places,
     Property,
     Published,
@@ -32,12 +32,12 @@ from cloaking.checks import (
     tight_box,
     users_inside,
 )
-from cloaking.checks.regions import inside_mask
-from cloaking.cloakers.base import CloakResult, Region, refuse
-from cloaking.cloakers.clique import CliqueRelease, CliqueRequest
-from cloaking.geometry import BBox, bbox_area_m2, bbox_around_keys, coordinate_keys
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.cloaking.checks.regions import inside_mask
+from kcloak.cloaking.cloakers.base import CloakResult, Region, refuse
+from kcloak.cloaking.cloakers.clique import CliqueRelease, CliqueRequest
+from kcloak.cloaking.geometry import BBox, bbox_area_m2, bbox_around_keys, coordinate_keys
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
 
 NOW = 1_000.0
 P3 = PrivacyProfile(k=3, min_area_m2=0.0)
@@ -672,7 +672,7 @@ def test_checker_imports_only_stdlib_decimal_numpy() -> None:
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0 and node.module is not None
             roots.add(node.module.split(".")[0])
-    assert "cloaking" not in roots and "shapely" not in roots
+    assert "kcloak" not in roots and "shapely" not in roots
     import sys
 
     assert roots - {"numpy"} <= set(sys.stdlib_module_names)

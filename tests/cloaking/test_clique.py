@@ -10,16 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.cloakers import get_cloaker
-from cloaking.cloakers.clique import (
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.cloakers.clique import (
     CliqueCloak,
     CliqueRelease,
     CliqueRequest,
     constraint_box_udeg,
     exact_key,
 )
-from cloaking.geometry import EARTH_RADIUS_M, Aeqd, BBox, bbox_area_m2, coordinate_keys
-from cloaking.profile import PrivacyProfile
+from kcloak.cloaking.geometry import EARTH_RADIUS_M, Aeqd, BBox, bbox_area_m2, coordinate_keys
+from kcloak.cloaking.profile import PrivacyProfile
 
 UNIT_DEG = 1e-4
 """The planar test frame of §4.5's example: one unit is 1e-4° (≈ 11 m) on the equator."""

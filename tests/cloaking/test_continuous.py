@@ -1,6 +1,6 @@
 """k-sharing with memorization (CONCEPTS §6.5, contract §6) against the independent checker.
 
-Every refresh region is judged from the raw fixes by :mod:`cloaking.checks` (brute force,
+Every refresh region is judged from the raw fixes by :mod:`kcloak.cloaking.checks` (brute force,
 exact decimal containment): every present member of the group is strictly inside, at least k
 members are present, the region itself passes :func:`check_region`, and the intersection of
 the user sets of all the session's regions keeps at least k users.
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.checks import (
+from kcloak.cloaking.checks import (
     EARTH_RADIUS_M,
     Published,
     Snapshot,
@@ -27,10 +27,10 @@ from cloaking.checks import (
     tight_box,
     users_inside,
 )
-from cloaking.cloakers import Refusal, Region, get_cloaker
-from cloaking.continuous import SessionError, SharedGroup, ends_session
-from cloaking.index import IndexView, PositionIndex
-from cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.cloaking.cloakers import Refusal, Region, get_cloaker
+from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
+from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
 
 NOW = 1_700_000_000.0
 STALE_S = 60.0

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloaking.geometry import (
+from kcloak.cloaking.geometry import (
     EARTH_RADIUS_M,
     Aeqd,
     BBox,
@@ -23,8 +23,8 @@ from cloaking.geometry import (
     haversine_m,
     haversine_m_array,
 )
-from cloaking.index import PositionIndex
-from cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
+from kcloak.cloaking.index import PositionIndex
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
 
 coords = st.one_of(
     st.floats(-180, 180, allow_nan=False),

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.cloakers import get_cloaker
-from cloaking.cloakers.base import BatchResult, Refusal, Region
-from cloaking.cloakers.hilbert import (
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.cloakers.base import BatchResult, Refusal, Region
+from kcloak.cloaking.cloakers.hilbert import (
     HilbertCloak,
     bbox_areas_m2,
     bboxes_around_keys,
@@ -27,10 +27,10 @@ from cloaking.cloakers.hilbert import (
     super_bucket_levels,
     tie_keys,
 )
-from cloaking.geometry import BBox, bbox_around_keys, coordinate_keys
-from cloaking.grid import GRID_BITS, GRID_OFFSET
-from cloaking.index import IndexView, hash_user
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.geometry import BBox, bbox_around_keys, coordinate_keys
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
+from kcloak.cloaking.index import IndexView, hash_user
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 WIDE = 2.5e9  # largest max_area_m2: refusals then come from the buckets only
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
-from cloaking.cloakers.interval import (
+from kcloak.cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
+from kcloak.cloaking.cloakers.interval import (
     IntervalCloak,
     QuadtreeCounts,
     Root,
@@ -26,10 +26,10 @@ from cloaking.cloakers.interval import (
     run_end,
     run_start,
 )
-from cloaking.geometry import BBox, bbox_area_m2, coordinate_key
-from cloaking.grid import GRID_BITS, cell_udeg, grid_coords
-from cloaking.index import IndexView
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.geometry import BBox, bbox_area_m2, coordinate_key
+from kcloak.cloaking.grid import GRID_BITS, cell_udeg, grid_coords
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 # -- the planar test frame of §4.0: [0, 400)² metres onto one grid cell at the equator ----------
 #

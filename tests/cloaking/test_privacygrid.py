@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
-from cloaking.cloakers.privacygrid import DEFAULT_LEVEL, PrivacyGridCloak
-from cloaking.geometry import BBox, bbox_area_m2
-from cloaking.grid import cell_udeg
-from cloaking.index import IndexView
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
+from kcloak.cloaking.cloakers.privacygrid import DEFAULT_LEVEL, PrivacyGridCloak
+from kcloak.cloaking.geometry import BBox, bbox_area_m2
+from kcloak.cloaking.grid import cell_udeg
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 F64 = npt.NDArray[np.float64]
 LEVEL = DEFAULT_LEVEL

@@ -5,7 +5,7 @@ Random populations (uniform in a city-sized box, clustered, all on one point, on
 one point, on and one micro-degree off coarse grid-cell boundaries (quadtree/pyramid cell edges at
 every level, as the floats of those micro-degrees), one user, near ±180°/±85° and the poles),
 personalized stored profiles and tightened overrides; every region must pass
-:func:`cloaking.checks.check_region`, every refusal :func:`cloaking.checks.check_refusal`,
+:func:`kcloak.cloaking.checks.check_region`, every refusal :func:`kcloak.cloaking.checks.check_refusal`,
 and ``cloak_batch`` must equal ``cloak`` element-wise.
 """
 
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.checks import (
+from kcloak.cloaking.checks import (
     Places,
     Published,
     Snapshot,
@@ -32,12 +32,12 @@ from cloaking.checks import (
     check_refusal,
     check_region,
 )
-from cloaking.cloakers import get_cloaker
-from cloaking.cloakers.base import STATUS_OK, Refusal, Region
-from cloaking.grid import GRID_OFFSET
-from cloaking.index import IndexView
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile, ProfileArrays
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.cloakers.base import STATUS_OK, Refusal, Region
+from kcloak.cloaking.grid import GRID_OFFSET
+from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays
 
 F64 = npt.NDArray[np.float64]
 
@@ -507,7 +507,7 @@ def _clique_cloaker(**params: Any) -> Any:
 @st.composite
 def clique_streams(draw: st.DrawFn) -> list[Any]:
     """Requests of up to 25 users (one or two each) over a minute, personalized k and tolerances."""
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     pop = draw(populations(max_n=25))
     out = []
@@ -547,7 +547,7 @@ def test_clique_stream_passes_the_checker(requests: list[Any], seed: int) -> Non
 
 def test_clique_3_worked_example() -> None:
     """§4.5 test clique_3 in metres on the equator (1 m ≈ 8.98e-6°), every box 20 m wide."""
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     deg = 1 / 111_195.08
     spec = [("ma", 0.0, 0.0, 3), ("mb", 4.0, 0.0, 2), ("mc", 2.0, 3.0, 3)]
@@ -562,7 +562,7 @@ def test_clique_3_worked_example() -> None:
 
 def test_clique_counts_distinct_senders() -> None:
     """Found here: two pending requests of one user formed a k = 2 clique (2 identical regions, 1 sender)."""
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     a = CliqueRequest("a", "u0", 40.0, -74.0, 0.0, 2, 0.0, 4.0e6, 30.0)
     b = CliqueRequest("b", "u0", 40.0, -74.0, 1.0, 2, 0.0, 4.0e6, 30.0)
@@ -628,7 +628,7 @@ def test_two_users_at_k2_neither_is_a_corner(name: str) -> None:
 
 
 def test_clique_contract_examples_are_strictly_inside() -> None:
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     reqs = [
         CliqueRequest("a", "u0", CONTRACT_FIX[0], CONTRACT_FIX[1], 0.0, 2, 0.0, 4.0e6, 30.0),
@@ -655,7 +655,7 @@ def test_temporal_cells_pass_the_checker(
     seed: int, n: int, k: int, max_area: float, min_area: float, kind: str
 ) -> None:
     """Temporal cloaking's published quadtree cell around users on micro-degrees and cell edges."""
-    from cloaking.temporal import ArrayFixHistory, temporal_cloak
+    from kcloak.cloaking.temporal import ArrayFixHistory, temporal_cloak
 
     rng = np.random.default_rng(seed)
     lat, lon = GENERATORS[kind](rng, n)
@@ -717,8 +717,8 @@ def test_default_profile_does_not_pinpoint_co_located_users(name: str) -> None:
 
 
 def test_default_profile_clique_and_temporal_do_not_pinpoint_co_located_users() -> None:
-    from cloaking.cloakers.clique import CliqueRequest
-    from cloaking.temporal import ArrayFixHistory, temporal_cloak
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.temporal import ArrayFixHistory, temporal_cloak
 
     d = PrivacyProfile()
     lat, lon = CONTRACT_FIX

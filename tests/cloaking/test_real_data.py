@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from cloaking.checks import (
+from kcloak.cloaking.checks import (
     Places,
     Published,
     Snapshot,
@@ -30,11 +30,11 @@ from cloaking.checks import (
     check_refusal,
     check_region,
 )
-from cloaking.cloakers import get_cloaker
-from cloaking.cloakers.base import Refusal, Region
-from cloaking.index import IndexView, PositionIndex
-from cloaking.places import PlacesLayer
-from cloaking.profile import PrivacyProfile
+from kcloak.cloaking.cloakers import get_cloaker
+from kcloak.cloaking.cloakers.base import Refusal, Region
+from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.cloaking.places import PlacesLayer
+from kcloak.cloaking.profile import PrivacyProfile
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ais_nyharbor.csv.gz"
 STALE_AFTER_S = 600.0
@@ -159,7 +159,7 @@ CLIQUE_DELAY_S = 60.0
 def clique_requests(f: Fixes, k: int, max_area_m2: float, *, spaced: bool) -> list[Any]:
     """One request per AIS fix (receipt time = fix time); ``spaced`` keeps a vessel's next request only
     once its previous one has been released or expired (more than ``CLIQUE_DELAY_S`` later)."""
-    from cloaking.cloakers.clique import CliqueRequest
+    from kcloak.cloaking.cloakers.clique import CliqueRequest
 
     last: dict[str, float] = {}
     out = []

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloaking.cloakers import Refusal, Region
-from cloaking.cloakers.interval import cell_bbox
-from cloaking.geometry import BBox, coordinate_key
-from cloaking.grid import GRID_BITS, grid_coords
-from cloaking.profile import PrivacyProfile, ReasonCode
-from cloaking.temporal import (
+from kcloak.cloaking.cloakers import Refusal, Region
+from kcloak.cloaking.cloakers.interval import cell_bbox
+from kcloak.cloaking.geometry import BBox, coordinate_key
+from kcloak.cloaking.grid import GRID_BITS, grid_coords
+from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.cloaking.temporal import (
     ArrayFixHistory,
     Fixes,
     FixHistory,

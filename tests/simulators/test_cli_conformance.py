@@ -2,7 +2,7 @@
 and of the ``kcloak`` parser itself: exit codes, one JSON object on stdout, the broker probe, help text,
 and a ``--help`` that imports no heavy module.
 
-The commands run through :func:`broker.cli.main` in a worker thread (they call ``asyncio.run``) against
+The commands run through :func:`kcloak.broker.cli.main` in a worker thread (they call ``asyncio.run``) against
 a real broker on loopback, a real reference LBS (an HTTP service that is not kcloak) and, where
 installed, a bare mosquitto (an MQTT broker without kcloak).
 """
@@ -20,17 +20,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import simulators.load as load_module
-from broker.bench import mosquitto
-from broker.cli import build_parser, main
-from broker.lbs_server import LbsServer
-from broker.mqtt import free_port
-from cloaking.places import load_pois
-from simulators.load import LoadConfig, run_load
-from simulators.preflight import probe_broker, probe_mqtt
-from simulators.replay import ReplayConfig, plan_replay
-from simulators.transport import BrokerUrl, TransportError
-from streams.readers import FixTable
+import kcloak.simulators.load as load_module
+from kcloak.broker.bench import mosquitto
+from kcloak.broker.cli import build_parser, main
+from kcloak.broker.lbs_server import LbsServer
+from kcloak.broker.mqtt import free_port
+from kcloak.cloaking.places import load_pois
+from kcloak.simulators.load import LoadConfig, run_load
+from kcloak.simulators.preflight import probe_broker, probe_mqtt
+from kcloak.simulators.replay import ReplayConfig, plan_replay
+from kcloak.simulators.transport import BrokerUrl, TransportError
+from kcloak.streams.readers import FixTable
 from tests.broker.conftest import SpyUpstream, spy  # noqa: F401
 from tests.simulators.test_traffic import real_broker, tokens_file
 
@@ -38,18 +38,18 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 CLI_MODULES = (
-    "broker.serve_cli",
-    "broker.mosquitto",
-    "cloaking.bench_cli",
-    "broker.lbs_cli",
-    "broker.bench_cli",
-    "streams.anonymize_cli",
-    "streams.bench_cli",
-    "cloaking.audit_cli",
-    "simulators.demo_cli",
-    "simulators.cli",
-    "streams.release_cli",
-    "streams.bench_release",
+    "kcloak.broker.serve_cli",
+    "kcloak.broker.mosquitto",
+    "kcloak.cloaking.bench_cli",
+    "kcloak.broker.lbs_cli",
+    "kcloak.broker.bench_cli",
+    "kcloak.streams.anonymize_cli",
+    "kcloak.streams.bench_cli",
+    "kcloak.cloaking.audit_cli",
+    "kcloak.simulators.demo_cli",
+    "kcloak.simulators.cli",
+    "kcloak.streams.release_cli",
+    "kcloak.streams.bench_release",
 )
 """Command modules whose parsers must build without heavy imports."""
 
@@ -77,39 +77,39 @@ def test_parser_modules_import_nothing_heavy() -> None:
         "    importlib.import_module(name).add_parser(sub)\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([PYTHON, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"heavy modules imported while building the parsers: {out.strip()}"
 
 
 def test_parser_constants_match_their_owners() -> None:
     """Choices spelled out in the CLI modules (to keep --help fast) agree with the modules that own them."""
-    import broker.config
-    import cloaking.audit
-    import cloaking.bench
-    import cloaking.bench_cli
-    import simulators.bench
-    import simulators.cli
-    import simulators.demo_cli
-    import simulators.traffic
-    import streams.anonymize_cli
-    import streams.readers
-    from cloaking import audit_cli
-    from cloaking.cloakers import SPATIAL_ALGORITHMS
-    from streams.kdelta import w4m
+    import kcloak.broker.config
+    import kcloak.cloaking.audit
+    import kcloak.cloaking.bench
+    import kcloak.cloaking.bench_cli
+    import kcloak.simulators.bench
+    import kcloak.simulators.cli
+    import kcloak.simulators.demo_cli
+    import kcloak.simulators.traffic
+    import kcloak.streams.anonymize_cli
+    import kcloak.streams.readers
+    from kcloak.cloaking import audit_cli
+    from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS
+    from kcloak.streams.kdelta import w4m
 
-    assert simulators.cli.MODELS == simulators.bench.MODELS
-    assert simulators.cli.QUERY_KINDS == simulators.traffic.QUERY_KINDS
-    assert simulators.cli.FORMATS == streams.readers.FORMATS
-    assert cloaking.bench_cli.SPATIAL_ALGORITHMS == SPATIAL_ALGORITHMS
-    assert cloaking.bench_cli.K_LEVEL_WEIGHTS == cloaking.bench.K_LEVEL_WEIGHTS
-    assert cloaking.bench_cli.DEFAULT_K_SPREAD == cloaking.bench.DEFAULT_K_SPREAD
-    assert simulators.demo_cli.ALGORITHMS == broker.config.ALGORITHMS
-    assert streams.anonymize_cli.FORMATS == streams.readers.FORMATS
-    assert streams.anonymize_cli.DEFAULT_TAU_S == w4m.DEFAULT_TAU_S
-    assert tuple(d.value for d in w4m.Distance) == streams.anonymize_cli.DISTANCES
-    assert audit_cli.DEFAULT_KS == cloaking.audit.DEFAULT_KS
-    assert audit_cli.DEFAULT_SYNTHETIC_USERS == cloaking.audit.DEFAULT_SYNTHETIC_USERS
-    assert audit_cli.FORMATS == streams.readers.FORMATS
+    assert kcloak.simulators.cli.MODELS == kcloak.simulators.bench.MODELS
+    assert kcloak.simulators.cli.QUERY_KINDS == kcloak.simulators.traffic.QUERY_KINDS
+    assert kcloak.simulators.cli.FORMATS == kcloak.streams.readers.FORMATS
+    assert kcloak.cloaking.bench_cli.SPATIAL_ALGORITHMS == SPATIAL_ALGORITHMS
+    assert kcloak.cloaking.bench_cli.K_LEVEL_WEIGHTS == kcloak.cloaking.bench.K_LEVEL_WEIGHTS
+    assert kcloak.cloaking.bench_cli.DEFAULT_K_SPREAD == kcloak.cloaking.bench.DEFAULT_K_SPREAD
+    assert kcloak.simulators.demo_cli.ALGORITHMS == kcloak.broker.config.ALGORITHMS
+    assert kcloak.streams.anonymize_cli.FORMATS == kcloak.streams.readers.FORMATS
+    assert kcloak.streams.anonymize_cli.DEFAULT_TAU_S == w4m.DEFAULT_TAU_S
+    assert tuple(d.value for d in w4m.Distance) == kcloak.streams.anonymize_cli.DISTANCES
+    assert audit_cli.DEFAULT_KS == kcloak.cloaking.audit.DEFAULT_KS
+    assert audit_cli.DEFAULT_SYNTHETIC_USERS == kcloak.cloaking.audit.DEFAULT_SYNTHETIC_USERS
+    assert audit_cli.FORMATS == kcloak.streams.readers.FORMATS
 
 
 def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""``kcloak demo``: end to end through ``broker.cli.main``, Ctrl-C, flags, and the street crop it drives on."""
+"""``kcloak demo``: end to end through ``kcloak.broker.cli.main``, Ctrl-C, flags, and the street crop it drives on."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from broker.cli import main
-from simulators.demo import crop_streets, demo_area, street_chains, traffic_end, write_osm
-from simulators.streets import StreetGraph, parse_osm
+from kcloak.broker.cli import main
+from kcloak.simulators.demo import crop_streets, demo_area, street_chains, traffic_end, write_osm
+from kcloak.simulators.streets import StreetGraph, parse_osm
 from tests.simulators.test_report import CONTRACT_KEYS, EXTENSION_KEYS
 
 FILES = ("summary.json", "map.png", "cloak_area.png", "achieved_k.png", "latency.png")
@@ -73,7 +73,19 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
     report = tmp_path / "report"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "broker.cli", "demo", "--users", "200", "--duration", "120", "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-I",
+        "-m",
+        "kcloak.broker.cli",
+        "demo",
+        "--users",
+        "200",
+        "--duration",
+        "120",
+        "--report",
+        str(report),
+    ]
     proc = subprocess.Popen(cmd, cwd=CHECKOUT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
@@ -92,6 +104,25 @@ def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
     s = _check_report(report, 200)
     assert 1.0 < s["duration_s"] < 30
     assert "stopped early" in out
+
+
+def test_demo_runs_from_a_folder_whose_files_shadow_package_names(tmp_path: Path) -> None:
+    """Files named like kcloak's packages in the current folder change nothing: the demo and its
+    children (``-I -m kcloak.broker.cli``) put no current folder on ``sys.path`` (issue 14)."""
+    here = tmp_path / "work"
+    here.mkdir()
+    for name in ("broker", "streams", "kcloak", "cloaking", "simulators"):
+        (here / f"{name}.py").write_text(f"raise ImportError('the current folder\\'s {name}.py was imported')\n")
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-I", "-m", "kcloak.broker.cli", "demo", "--users", "50", "--duration", "5"]
+    proc = subprocess.run(
+        [*cmd, "--report", str(report), "--no-progress"], cwd=here, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "was imported" not in proc.stderr
+    assert "kcloak demo summary" in proc.stdout
+    s = json.loads((report / "summary.json").read_text())
+    assert s["users"] == 50 and s["updates"] > 0
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from simulators.load import LoadConfig, LoadInputError, run_load
+from kcloak.simulators.load import LoadConfig, LoadInputError, run_load
 from tests.broker.conftest import SpyUpstream, spy  # noqa: F401
 from tests.simulators.test_traffic import count, fixes_counted, real_broker, settled
 

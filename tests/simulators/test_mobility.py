@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloaking.geometry import BBox, haversine_m_array
-from cloaking.places import load_pois
-from simulators.bench import MODELS, measure_models
-from simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
+from kcloak.cloaking.geometry import BBox, haversine_m_array
+from kcloak.cloaking.places import load_pois
+from kcloak.simulators.bench import MODELS, measure_models
+from kcloak.simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
 
 BEIJING = (116.148, 39.788, 116.613, 40.096)
 

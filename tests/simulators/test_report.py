@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from simulators.report import Observations, SampledRegion, plot_map, summarize, write_report
-from simulators.streets import StreetGraph
+from kcloak.simulators.report import Observations, SampledRegion, plot_map, summarize, write_report
+from kcloak.simulators.streets import StreetGraph
 
 # Contract §9, `demo` summary.json, in order (written out here, not imported).
 CONTRACT_KEYS = [

@@ -11,8 +11,8 @@ from xml.etree import ElementTree as ET
 import numpy as np
 import pytest
 
-from cloaking.geometry import haversine_m_array
-from simulators.streets import (
+from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.simulators.streets import (
     NOT_ROUTABLE,
     SPEED_KMH,
     OsmFileError,
@@ -69,7 +69,7 @@ def beijing() -> StreetGraph:
 
 
 def _bundled_xml() -> bytes:
-    data = resources.files("simulators.data").joinpath("osm_beijing_sample.osm.zip").read_bytes()
+    data = resources.files("kcloak.simulators.data").joinpath("osm_beijing_sample.osm.zip").read_bytes()
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         return archive.read("osm_beijing_sample.osm")
 

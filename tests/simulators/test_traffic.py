@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker.bench import mosquitto
-from broker.mqtt import free_port
-from broker.service import Broker
-from simulators.client import batch_payloads, percentiles_ms
-from simulators.streets import StreetGraph, load_street_graph
-from simulators.traffic import (
+from kcloak.broker.bench import mosquitto
+from kcloak.broker.mqtt import free_port
+from kcloak.broker.service import Broker
+from kcloak.simulators.client import batch_payloads, percentiles_ms
+from kcloak.simulators.streets import StreetGraph, load_street_graph
+from kcloak.simulators.traffic import (
     DEFAULT_MIX,
     NullObserver,
     ProfileShare,
@@ -32,7 +32,7 @@ from simulators.traffic import (
     run_simulation,
     street_graph,
 )
-from simulators.transport import BrokerUrl, TransportError
+from kcloak.simulators.transport import BrokerUrl, TransportError
 from tests.broker.conftest import SpyUpstream, broker_config, spy  # noqa: F401
 
 WIDE = (ProfileShare(0.5, {"k": 2, "max_area_m2": 2.5e9}), ProfileShare(0.5, {"k": 3, "max_area_m2": 2.5e9}))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from broker.cli import main
-from streams.quality import verify_k_delta
-from streams.readers import read_fixes
+from kcloak.broker.cli import main
+from kcloak.streams.quality import verify_k_delta
+from kcloak.streams.readers import read_fixes
 
 
 def _write_trajectories(path: Path, n: int, seed: int = 3) -> None:

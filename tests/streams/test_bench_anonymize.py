@@ -7,11 +7,18 @@ import json
 import numpy as np
 import pytest
 
-from broker.cli import main
-from cloaking.geometry import haversine_m_array
-from streams.bench import CITY_CENTRE, CITY_RADIUS_M, AnonymizeBenchConfig, RunSpec, run_in_subprocess, synthetic_fixes
-from streams.quality import verify_k_delta
-from streams.trajectory import trajectories_from_fixes
+from kcloak.broker.cli import main
+from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.streams.bench import (
+    CITY_CENTRE,
+    CITY_RADIUS_M,
+    AnonymizeBenchConfig,
+    RunSpec,
+    run_in_subprocess,
+    synthetic_fixes,
+)
+from kcloak.streams.quality import verify_k_delta
+from kcloak.streams.trajectory import trajectories_from_fixes
 
 ROW_FIELDS = {
     "method",
@@ -84,7 +91,7 @@ def test_bad_flags_exit_2(flags: list[str]) -> None:
 
 
 def test_synthetic_release_passes_the_verifier_for_every_method() -> None:
-    from streams.publish import anonymize
+    from kcloak.streams.publish import anonymize
 
     fixes = synthetic_fixes(150, 15, seed=3)
     for method in ("nwa", "w4m", "microagg"):

@@ -1,7 +1,7 @@
 """The km linkage attack of ``kcloak audit trajectories`` (CONCEPTS §7.6, §9.6; contract §9).
 
 Statistical assertions compare a re-identification rate with 1/k using the tolerance of
-:func:`cloaking.attacks.base.tolerance` (upper end of the 99.9 % Wilson interval of a rate equal to
+:func:`kcloak.cloaking.attacks.base.tolerance` (upper end of the 99.9 % Wilson interval of a rate equal to
 1/k over the number of victims, minus 1/k) or the Wilson interval of the measured rate itself.
 """
 
@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cli import main
-from cloaking.checks import wilson_interval
-from streams.attacks import KnownPointsLinkage, LinkageError, _Stacked, audit_trajectories
-from streams.publish import Release, anonymize
-from streams.readers import FixTable, read_fixes, write_contract_csv
-from streams.trajectory import Trajectory, trajectories_from_fixes
+from kcloak.broker.cli import main
+from kcloak.cloaking.checks import wilson_interval
+from kcloak.streams.attacks import KnownPointsLinkage, LinkageError, _Stacked, audit_trajectories
+from kcloak.streams.publish import Release, anonymize
+from kcloak.streams.readers import FixTable, read_fixes, write_contract_csv
+from kcloak.streams.trajectory import Trajectory, trajectories_from_fixes
 
 K = 5
 DELTA = 200.0

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloaking.geometry import Aeqd, haversine_m_array
-from streams.kdelta import KDeltaError, trash_limit
-from streams.kdelta.nwa import (
+from kcloak.cloaking.geometry import Aeqd, haversine_m_array
+from kcloak.streams.kdelta import KDeltaError, trash_limit
+from kcloak.streams.kdelta.nwa import (
     _Greedy,
     choose_radius,
     greedy_clusters,
@@ -18,8 +18,8 @@ from streams.kdelta.nwa import (
     space_translate,
     trimmed_span,
 )
-from streams.quality import verify_k_delta
-from streams.trajectory import Trajectory, fixes_of
+from kcloak.streams.quality import verify_k_delta
+from kcloak.streams.trajectory import Trajectory, fixes_of
 
 FRAME = Aeqd(39.9, 116.4)
 

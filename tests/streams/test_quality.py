@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloaking.geometry import Aeqd
-from streams.publish import anonymize, fresh_ids, publish_rows
-from streams.quality import (
+from kcloak.cloaking.geometry import Aeqd
+from kcloak.streams.publish import anonymize, fresh_ids, publish_rows
+from kcloak.streams.quality import (
     Violation,
     mec_radius,
     publication_format_problems,
@@ -15,8 +15,8 @@ from streams.quality import (
     translation_m,
     verify_k_delta,
 )
-from streams.readers import FixTable
-from streams.trajectory import Trajectory, fixes_of
+from kcloak.streams.readers import FixTable
+from kcloak.streams.trajectory import Trajectory, fixes_of
 
 FRAME = Aeqd(45.0, 10.0)
 T = np.array([0.0, 60.0, 120.0])

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streams.readers import (
+from kcloak.streams.readers import (
     READERS,
     FixTable,
     ReaderError,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from broker.cli import main
-from broker.stores import QUERYLOG_SQL, open_db
-from streams import release_cli
-from streams.release import KM_ALGORITHMS, ReleaseOutcome
-from streams.tables import SOURCE_FORMATS, TableKind
+from kcloak.broker.cli import main
+from kcloak.broker.stores import QUERYLOG_SQL, open_db
+from kcloak.streams import release_cli
+from kcloak.streams.release import KM_ALGORITHMS, ReleaseOutcome
+from kcloak.streams.tables import SOURCE_FORMATS, TableKind
 from tests.streams.test_release_cli import _trajectories
 
 
@@ -38,7 +38,7 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_parser_constants_match_their_owners() -> None:
-    from cloaking.tabular import ALGORITHMS
+    from kcloak.cloaking.tabular import ALGORITHMS
 
     assert tuple(k.value for k in TableKind) == release_cli.TABLES
     assert release_cli.SOURCE_FORMATS == SOURCE_FORMATS
@@ -144,7 +144,7 @@ def test_bench_release_empty_trace_exits_2(tmp_path: Path, capsys: pytest.Captur
 
 def test_acd_vs_aa_ignores_empty_places_tables() -> None:
     """Zero-row places releases (a trace without stay points) make no ACD-vs-AA comparison."""
-    from streams.bench_release import BenchRow, acd_vs_aa
+    from kcloak.streams.bench_release import BenchRow, acd_vs_aa
 
     rows = [BenchRow("places", algo, 5, 0, 1e-5, 0.0, None, 0, cpu_s=0.0) for algo in ("acd", "aa")]
     assert acd_vs_aa(rows) == {"ncp_ratio": None, "time_ratio": None, "holds": None, "ks": []}

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.stores import MOVEMENT_SQL, QUERYLOG_SQL, open_db
-from cloaking import geohash
-from cloaking.places import load_pois, parse_pois
-from streams.readers import FixTable, read_fixes
-from streams.tables import (
+from kcloak.broker.stores import MOVEMENT_SQL, QUERYLOG_SQL, open_db
+from kcloak.cloaking import geohash
+from kcloak.cloaking.places import load_pois, parse_pois
+from kcloak.streams.readers import FixTable, read_fixes
+from kcloak.streams.tables import (
     BuildOptions,
     NotApplicableSource,
     TableError,

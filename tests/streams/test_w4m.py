@@ -1,6 +1,6 @@
 """Wait For Me (CONCEPTS §7.4): edit distance vs its recursion, clustering vs brute force, invariants, real data.
 
-Every release is judged by the independent verifier of §9.6 (:mod:`streams.quality`, which imports no
+Every release is judged by the independent verifier of §9.6 (:mod:`kcloak.streams.quality`, which imports no
 algorithm code); shifts are re-derived from the inputs, not from the algorithm's bookkeeping.
 """
 
@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cli import main
-from cloaking.geometry import Aeqd, haversine_m_array
-from streams.kdelta import KDeltaError, trash_limit
-from streams.kdelta.w4m import Distance, W4MResult, _align, _Greedy, _pack, _Space, edit_distance, w4m
-from streams.publish import anonymization_report, anonymize, publish_rows
-from streams.quality import verify_k_delta
-from streams.readers import read_fixes
-from streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
+from kcloak.broker.cli import main
+from kcloak.cloaking.geometry import Aeqd, haversine_m_array
+from kcloak.streams.kdelta import KDeltaError, trash_limit
+from kcloak.streams.kdelta.w4m import Distance, W4MResult, _align, _Greedy, _pack, _Space, edit_distance, w4m
+from kcloak.streams.publish import anonymization_report, anonymize, publish_rows
+from kcloak.streams.quality import verify_k_delta
+from kcloak.streams.readers import read_fixes
+from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GEOLIFE = Path(__file__).resolve().parents[3] / "shared" / "data" / "research" / "geolife_sample"

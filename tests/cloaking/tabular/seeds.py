@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cloaking.tabular import CategoricalHierarchy, PrefixHierarchy, QuasiIdentifier
-from cloaking.tabular._table import Table
-from cloaking.tabular.criteria import LKind, SensitiveColumn, build_criteria
+from kcloak.cloaking.tabular import CategoricalHierarchy, PrefixHierarchy, QuasiIdentifier
+from kcloak.cloaking.tabular._table import Table
+from kcloak.cloaking.tabular.criteria import LKind, SensitiveColumn, build_criteria
 
 # S001 Fig. 1 (CONCEPTS §8.3): Race, DOB, Sex, ZIP, Marital status, Disease
 S001_ROWS = [

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloaking.tabular.km import (
+from kcloak.cloaking.tabular.km import (
     IntervalHierarchy,
     KmError,
     KmRelease,
@@ -145,7 +145,7 @@ def test_km_acd_example() -> None:
 
 def test_km_acd_example_count_tree_and_candidates() -> None:
     """S002 Fig. 2(a) supports and the three candidate rules for 30500 with their dataset NCP."""
-    from cloaking.tabular import km
+    from kcloak.cloaking.tabular import km
 
     data = km._Data(TABLE1)
     vals = data.vals.tolist()
@@ -351,8 +351,8 @@ def test_real_places_match_the_previous_implementation() -> None:
     """T-Drive places (the bench's table, and one with 2-minute stays so that bags hold several cells)."""
     if not TDRIVE_CSV.exists():
         pytest.skip(f"research data absent: {TDRIVE_CSV}")
-    from streams.readers import read_fixes
-    from streams.tables import BuildOptions, TableKind, build_from_fixes
+    from kcloak.streams.readers import read_fixes
+    from kcloak.streams.tables import BuildOptions, TableKind, build_from_fixes
 
     fixes = read_fixes(TDRIVE_CSV)
     got = {}
@@ -392,7 +392,7 @@ def test_windowed_sibling_pricing_is_the_full_order(seed: int, k: int, window: i
     exactly those of pricing every sibling and sorting, after merges and suppressions."""
     import numpy as np
 
-    from cloaking.tabular import km
+    from kcloak.cloaking.tabular import km
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(20, 300))

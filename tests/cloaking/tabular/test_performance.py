@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloaking.tabular import QuasiIdentifier, anonymize_table
+from kcloak.cloaking.tabular import QuasiIdentifier, anonymize_table
 
 QIS = (
     QuasiIdentifier("start_t", "time", ("start_t",)),

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
+from kcloak.cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
 from tests.cloaking.tabular import checker
 from tests.cloaking.tabular.test_t_closeness_suppression import cascade_table, hypothesis_table
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloaking.tabular import ALGORITHMS, QuasiIdentifier, anonymize_table
+from kcloak.cloaking.tabular import ALGORITHMS, QuasiIdentifier, anonymize_table
 
 pd = pytest.importorskip("pandas", reason="pandas is a test-only dependency (dev extra)")
 anonymity = pytest.importorskip("pycanon.anonymity", reason="pycanon is the outside checker (pip install --no-deps)")

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cloaking.tabular import (
+from kcloak.cloaking.tabular import (
     CategoricalHierarchy,
     GridHierarchy,
     IntervalHierarchy,
@@ -17,7 +17,7 @@ from cloaking.tabular import (
     Unsatisfiable,
     anonymize_table,
 )
-from cloaking.tabular.criteria import (
+from kcloak.cloaking.tabular.criteria import (
     DistinctLDiversity,
     EntropyLDiversity,
     HierarchicalDistance,
@@ -25,10 +25,10 @@ from cloaking.tabular.criteria import (
     RecursiveCLDiversity,
     l_achieved,
 )
-from cloaking.tabular.lattice import LatticeProblem, incognito, ola, samarati
-from cloaking.tabular.mdav import mdav_groups
-from cloaking.tabular.metrics import release_metrics, whd
-from cloaking.tabular.mondrian import Cut, partition
+from kcloak.cloaking.tabular.lattice import LatticeProblem, incognito, ola, samarati
+from kcloak.cloaking.tabular.mdav import mdav_groups
+from kcloak.cloaking.tabular.metrics import release_metrics, whd
+from kcloak.cloaking.tabular.mondrian import Cut, partition
 from tests.cloaking.tabular import checker
 from tests.cloaking.tabular.seeds import (
     DOB_S001,

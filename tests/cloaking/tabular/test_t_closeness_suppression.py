@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloaking.tabular import QuasiIdentifier, anonymize_table
-from cloaking.tabular.criteria import OrderedDistance
+from kcloak.cloaking.tabular import QuasiIdentifier, anonymize_table
+from kcloak.cloaking.tabular.criteria import OrderedDistance
 from tests.cloaking.tabular import checker
 
 LATTICE = ("samarati", "incognito", "ola")
