@@ -303,7 +303,7 @@ def make_workload(
     levels = k_levels(k, k_spread)
     rng = np.random.default_rng([seed, 3])
     stored = np.asarray(levels, np.int64)[rng.choice(3, size=n_users, p=K_LEVEL_WEIGHTS)]
-    profiles = {lv: PrivacyProfile(k=lv, max_area_m2=max_area_m2) for lv in set(levels)}
+    profiles = {lv: PrivacyProfile(k=lv, min_area_m2=0.0, max_area_m2=max_area_m2) for lv in set(levels)}
     rows = rng.integers(0, n_users, requests).astype(np.int64)
     return Workload(stored, profiles, rows)
 
