@@ -30,9 +30,9 @@ from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event
 from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
-from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer
+from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
-from kcloak.broker.validation import parse_json_object, valid_query_id, valid_user_id
+from kcloak.broker.validation import MalformedJson, parse_json_object, valid_query_id, valid_user_id
 from kcloak.cloaking.profile import ProfileError
 
 log = logging.getLogger("kcloak.mqtt")
@@ -288,16 +288,16 @@ class MqttDoor:
     def dropped(self, topic: str, reason: str) -> None:
         """Count a message on ``topic`` that the transport dropped before it could be read whole
         (``too_large``, ``retained``)."""
-        parts = topic.split("/")
-        if len(parts) == 4 and parts[0] == "kcloak" and parts[1] == "v1" and parts[2] in TOPICS:
-            self.metrics.messages.labels(transport="mqtt", topic=parts[2]).inc()
-            self._drop(parts[2], reason)
+        parsed = input_topic(topic)
+        if parsed is not None:
+            self.metrics.messages.labels(transport="mqtt", topic=parsed[0]).inc()
+            self._drop(parsed[0], reason)
 
     def _dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
-        parts = topic.split("/")
-        if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in TOPICS:
+        parsed = input_topic(topic)
+        if parsed is None:
             return None
-        kind, user = parts[2], parts[3]
+        kind, user = parsed
         self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
         if retain:
             self._drop(kind, "retained")
@@ -314,7 +314,7 @@ class MqttDoor:
             return None
         try:
             obj = parse_json_object(payload)
-        except (ValueError, RecursionError):  # MalformedJson, or any parser error (e.g. an integer too long)
+        except MalformedJson:  # whatever made it unparseable (parse_json_object raises nothing else)
             self._drop(kind, "malformed_json")
             return None
         if kind == "update":

@@ -361,8 +361,9 @@ class _Connection(asyncio.Protocol):
         if qos:
             pid = _u16(self.buf, pos, i + length)
             self._ack(PUBACK if qos == 1 else PUBREC, pid, None)
-        if _input_topic(topic):
-            own = self.user is None or topic[topic.rindex("/") + 1 :] == self.user
+        parsed = input_topic(topic)
+        if parsed is not None:
+            own = self.user is None or parsed[1] == self.user
             self.server.dropped(topic, "too_large" if own else "forbidden")
         else:
             self.server._count_drop("topic_not_allowed")
@@ -665,9 +666,13 @@ class _Connection(asyncio.Protocol):
             self.timer = self.loop.call_later(max(limit - idle, 0.1), self._check_keepalive)
 
 
-def _input_topic(topic: str) -> bool:
+def input_topic(topic: str) -> tuple[str, str] | None:
+    """(kind, user) of an input topic ``kcloak/v1/{kind}/{user}``; None for any other topic (the
+    user level is returned as sent, unvalidated)."""
     parts = topic.split("/")
-    return len(parts) == 4 and parts[0] == "kcloak" and parts[1] == "v1" and parts[2] in INPUT_KINDS
+    if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in INPUT_KINDS:
+        return None
+    return parts[2], parts[3]
 
 
 class MqttServer:
@@ -828,10 +833,11 @@ class MqttServer:
     def _route(self, user: str | None, topic: str, payload: bytes, retain: bool) -> asyncio.Future[object] | None:
         """An app's PUBLISH (or will): input topics of its own user go to ``dispatch``, nothing else
         goes anywhere."""
-        if not _input_topic(topic):
+        parsed = input_topic(topic)
+        if parsed is None:
             self._count_drop("topic_not_allowed")
             return None
-        if user is not None and topic[topic.rindex("/") + 1 :] != user:
+        if user is not None and parsed[1] != user:
             self.dropped(topic, "forbidden")
             return None
         if retain:
