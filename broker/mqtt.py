@@ -350,10 +350,14 @@ class MqttDoor:
 
         def decided(t: asyncio.Task[Any]) -> None:
             self._inflight -= 1
-            if not t.cancelled() and t.exception() is not None:
+            if done.done():
+                return
+            if t.cancelled():  # never stored: the transports must not acknowledge these fixes
+                done.cancel()
+                return
+            if t.exception() is not None:
                 log_event(log, "mqtt_handler_failed", logging.ERROR, error=type(t.exception()).__name__)
-            if not done.done():
-                done.set_result(None)
+            done.set_result(None)
 
         task.add_done_callback(decided)
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import aiomqtt
 import pytest
@@ -81,6 +82,29 @@ async def test_profile_request_id_outside_its_pattern_is_refused_not_echoed(
         assert (st["status"], st["reason"]) == ("refused", "invalid") and "request_id" not in st
     assert statuses[-1]["status"] == "ok" and statuses[-1]["request_id"] == "p-ok"
     assert stored is not None and stored.k == 8
+
+
+async def test_single_fixes_whose_submission_was_cancelled_are_not_reported_durable(
+    tmp_path: Path, spy: SpyUpstream, mqtt_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion the door hands a transport for single fixes is cancelled, not done, when
+    their submission was cancelled (shutdown): the transports acknowledge only durable messages."""
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    async with Broker(config=cfg) as b:
+        assert b.pipeline is not None
+        real = b.pipeline.enqueue_fixes
+
+        def enqueue_then_cancel(*args: Any, **kwargs: Any) -> asyncio.Task[Any]:
+            task = real(*args, **kwargs)
+            task.cancel()
+            return task
+
+        monkeypatch.setattr(b.pipeline, "enqueue_fixes", enqueue_then_cancel)
+        fix = json.dumps({"t": time.time(), "lat": 39.9, "lon": 116.4}).encode()
+        done = b.mqtt.dispatch("kcloak/v1/update/alice", fix, False)
+        assert done is not None
+        await asyncio.wait([done], timeout=5)
+        assert done.cancelled()
 
 
 async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path, spy: SpyUpstream) -> None:
