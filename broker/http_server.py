@@ -343,8 +343,22 @@ async def put_profile(request: web.Request) -> web.Response:
     if not pipeline.profile_rate_ok(user):
         pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="rate_limited").inc()
         raise HttpError(ReasonCode.RATE_LIMITED, "profile rate limit reached")
+    await _set_profile(pipeline, user, body)
+    return web.json_response(_profile_body(pipeline, user))
+
+
+async def delete_profile(request: web.Request) -> web.Response:
+    user = _user(request)
+    pipeline = request.app[PIPELINE]
+    await _set_profile(pipeline, user, None)
+    return web.Response(status=204)
+
+
+async def _set_profile(pipeline: Pipeline, user: str, data: dict[str, Any] | None) -> None:
+    """Store (or, with None, reset) a user's profile, counting the outcome; a refusal is raised as
+    its contract error (an invalid profile, or a store that cannot write: 503 overloaded)."""
     try:
-        await pipeline.set_profile(user, body)
+        await pipeline.set_profile(user, data)
     except ProfileError as exc:
         pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="invalid").inc()
         raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
@@ -352,19 +366,6 @@ async def put_profile(request: web.Request) -> web.Response:
         pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="overloaded").inc()
         raise HttpError(ReasonCode.OVERLOADED, "the profile store cannot write; retry later") from None
     pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
-    return web.json_response(_profile_body(pipeline, user))
-
-
-async def delete_profile(request: web.Request) -> web.Response:
-    user = _user(request)
-    pipeline = request.app[PIPELINE]
-    try:
-        await pipeline.set_profile(user, None)
-    except StoreError:
-        pipeline.metrics.profile_sets.labels(transport="http", status="refused", reason="overloaded").inc()
-        raise HttpError(ReasonCode.OVERLOADED, "the profile store cannot write; retry later") from None
-    pipeline.metrics.profile_sets.labels(transport="http", status="ok", reason="none").inc()
-    return web.Response(status=204)
 
 
 # -- queries -----------------------------------------------------------------------------------
