@@ -32,6 +32,7 @@ from kcloak.broker.logs import log_event
 from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
+from kcloak.broker.stores import StoreError
 from kcloak.broker.validation import MalformedJson, parse_json_object, valid_query_id, valid_user_id
 from kcloak.cloaking.profile import ProfileError
 
@@ -399,6 +400,8 @@ class MqttDoor:
                 status.update(status="ok", profile=profile.to_dict())
             except ProfileError:
                 reason = "invalid"
+            except StoreError:  # the store cannot write (disk full): refused as HTTP does, 503 there
+                reason = "overloaded"
         if reason is not None:
             status.update(status="refused", reason=reason)
         self.metrics.profile_sets.labels(transport="mqtt", status=status["status"], reason=reason or "none").inc()

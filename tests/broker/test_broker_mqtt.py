@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,32 @@ async def test_single_fixes_whose_submission_was_cancelled_are_not_reported_dura
         assert done is not None
         await asyncio.wait([done], timeout=5)
         assert done.cancelled()
+
+
+async def test_profile_message_on_a_full_disk_is_refused_overloaded(
+    tmp_path: Path, spy: SpyUpstream, mqtt_port: int
+) -> None:
+    """A profile message the store cannot write (a real SQLITE_FULL) gets its status, refused
+    ``overloaded`` as HTTP's 503, instead of no status at all."""
+    cfg = broker_config(tmp_path, spy.url, **{"mqtt.mode": "embedded", "mqtt.listen": f"127.0.0.1:{mqtt_port}"})
+    async with Broker(config=cfg) as b, aiomqtt.Client("127.0.0.1", mqtt_port) as c:
+        assert b.pipeline is not None
+        conn: sqlite3.Connection = b.pipeline.profiles._conn
+        conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+        await c.subscribe("kcloak/v1/status/+", qos=1)
+        refused: dict[str, object] | None = None
+        for i in range(2000):
+            await c.publish(f"kcloak/v1/profile/u{i}", json.dumps({"request_id": f"p{i}", "profile": {"k": 6}}), qos=1)
+            async with asyncio.timeout(5):
+                m = await anext(aiter(c.messages))
+            assert isinstance(m.payload, bytes)
+            status = json.loads(m.payload)
+            if status["status"] != "ok":
+                refused = status
+                break
+        text = b.metrics.render().decode()
+    assert refused is not None and (refused["status"], refused["reason"]) == ("refused", "overloaded")
+    assert _count(text, "kcloak_profile_sets_total", 'reason="overloaded"', 'transport="mqtt"') == 1
 
 
 async def test_retained_input_replayed_at_subscription_is_dropped(tmp_path: Path, spy: SpyUpstream) -> None:
