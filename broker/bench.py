@@ -135,26 +135,15 @@ def instant_upstream() -> Iterator[str]:
 
 @contextlib.contextmanager
 def mosquitto(workdir: Path) -> Iterator[tuple[int, str]]:
-    from kcloak.broker.mosquitto import AUTOSAVE_S, INFLIGHT_MESSAGES, QUEUED_BYTES, QUEUED_MESSAGES
+    from kcloak.broker.mosquitto import durability_lines
 
     exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
     if exe is None:
         raise FileNotFoundError("mosquitto")
     port = free_port()
     conf = workdir / "mosquitto.conf"
-    # The limits kcloak mosquitto-config writes (its default of 20 in flight would throttle intake,
-    # and beyond 1000 queued it drops), and persistence as deployed.
-    lines = [
-        f"listener {port} 127.0.0.1",
-        "allow_anonymous true",
-        "persistence true",
-        f"persistence_location {workdir.resolve()}/",
-        "autosave_on_changes false",
-        f"autosave_interval {AUTOSAVE_S}",
-        f"max_inflight_messages {INFLIGHT_MESSAGES}",
-        f"max_queued_messages {QUEUED_MESSAGES}",
-        f"max_queued_bytes {QUEUED_BYTES}",
-    ]
+    # Persistence and limits as kcloak mosquitto-config writes them, so the bench runs as deployed.
+    lines = [f"listener {port} 127.0.0.1", "allow_anonymous true", *durability_lines(workdir.resolve())]
     if os.getuid() == 0:
         lines.append("user root")
     conf.write_text("\n".join(lines) + "\n")

@@ -87,14 +87,23 @@ def conf_text(out_dir: Path, host: str, port: int) -> str:
         "max_packet_size 2097152\n"
         "# kcloak's intake session is persistent and acknowledges a message once it is committed:\n"
         "# mosquitto keeps what kcloak has not committed, on disk, and hands it to the next run.\n"
-        "persistence true\n"
-        f"persistence_location {out_dir}/\n"
-        "autosave_on_changes false\n"
-        f"autosave_interval {AUTOSAVE_S}\n"
-        f"max_inflight_messages {INFLIGHT_MESSAGES}\n"
-        f"max_queued_messages {QUEUED_MESSAGES}\n"
-        f"max_queued_bytes {QUEUED_BYTES}\n"
+        + "".join(f"{line}\n" for line in durability_lines(out_dir))
     )
+
+
+def durability_lines(persistence_dir: Path) -> list[str]:
+    """The mosquitto.conf lines that keep what mosquitto acknowledged for kcloak: persistence in
+    ``persistence_dir``, and limits that never throttle or drop kcloak's intake within a sizeable
+    backlog (mosquitto's defaults: 20 in flight, and beyond 1000 queued it drops)."""
+    return [
+        "persistence true",
+        f"persistence_location {persistence_dir}/",
+        "autosave_on_changes false",
+        f"autosave_interval {AUTOSAVE_S}",
+        f"max_inflight_messages {INFLIGHT_MESSAGES}",
+        f"max_queued_messages {QUEUED_MESSAGES}",
+        f"max_queued_bytes {QUEUED_BYTES}",
+    ]
 
 
 def write_config(tokens_file: str, out_dir: Path, listen: str, readers: list[str]) -> tuple[list[int], str]:
