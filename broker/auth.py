@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kcloak.broker.validation import valid_user_id
+from kcloak.wire.payloads import valid_user_id
 
 TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]{1,256}\Z")  # \Z: "$" would let a final newline in
 HEX64_RE = re.compile(r"^[0-9a-f]{64}\Z")

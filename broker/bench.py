@@ -172,7 +172,7 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-I", "-m", "kcloak.broker.cli", "serve", *args, "--log-level", "warning"]
+    cmd = [sys.executable, "-I", "-m", "kcloak.cli.main", "serve", *args, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
@@ -296,7 +296,7 @@ def _mqtt_query_worker(
 ) -> None:
     """Queries at QoS 0 and answers read with the lean MQTT client (paho reads a byte at a time,
     which would make this process the bottleneck); at most :data:`QUERY_WINDOW` queries outstanding when closed-loop."""
-    from kcloak.broker.mqtt_intake import Incoming, IntakeConnection
+    from kcloak.wire.mqtt_client import Incoming, IntakeConnection
 
     async def main() -> None:
         window = asyncio.Semaphore(QUERY_WINDOW)

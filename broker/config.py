@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kcloak.broker.http_client import Origin
-from kcloak.cloaking.profile import PrivacyProfile, ProfileError
+from kcloak.core.profile import PrivacyProfile, ProfileError
+from kcloak.wire.http_client import Origin
 
 ALGORITHMS = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
 PUBLISH_METHODS = ("nwa", "w4m", "microagg")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kcloak.cloaking.geometry import UDEG_PER_DEG, BBox
 from kcloak.cloaking.temporal import Fixes
+from kcloak.core.geometry import UDEG_PER_DEG, BBox
 
 
 class RecentFixes:

@@ -29,7 +29,8 @@ from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import StoreError
-from kcloak.broker.validation import (
+from kcloak.core.profile import ProfileError, ReasonCode
+from kcloak.wire.payloads import (
     USER_ID_RULE,
     InvalidInput,
     MalformedJson,
@@ -38,7 +39,6 @@ from kcloak.broker.validation import (
     parse_json_object,
     valid_user_id,
 )
-from kcloak.cloaking.profile import ProfileError, ReasonCode
 
 log = logging.getLogger("kcloak.http")
 

@@ -14,8 +14,8 @@ import numpy as np
 import numpy.typing as npt
 from rtree import index as rtree_index
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M
-from kcloak.cloaking.places import Poi, PoiSet
+from kcloak.core.geometry import EARTH_RADIUS_M
+from kcloak.core.places import Poi, PoiSet
 
 # PROOF OF INCLUSIVENESS (and of the rounding allowance).
 #

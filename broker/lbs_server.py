@@ -25,7 +25,9 @@ from kcloak import __version__
 from kcloak.broker.lbs import LbsEngine, LonLatBox
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS
-from kcloak.broker.validation import (
+from kcloak.core.places import PoiSet
+from kcloak.core.profile import ReasonCode
+from kcloak.wire.payloads import (
     CATEGORY_RE,
     MAX_KNN_N,
     MAX_RADIUS_M,
@@ -33,8 +35,6 @@ from kcloak.broker.validation import (
     InvalidInput,
     parse_json_object,
 )
-from kcloak.cloaking.places import PoiSet
-from kcloak.cloaking.profile import ReasonCode
 
 log = logging.getLogger("kcloak.lbs")
 

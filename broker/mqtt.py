@@ -7,7 +7,7 @@ through :meth:`MqttServer.publish`. No child process, no client connection, noth
 ``kill -9``. External (``mqtt://…``): intake connections subscribe to the four ingest filters (QoS 1;
 ``$share/kcloak/…`` when there are several); one more connection publishes answers and status
 messages, with the retained ``down`` status as its last will. Both speak MQTT 3.1.1 through the lean
-asyncio client of :mod:`kcloak.broker.mqtt_intake` (paho, under aiomqtt, reads one packet per event-loop
+asyncio client of :mod:`kcloak.wire.mqtt_client` (paho, under aiomqtt, reads one packet per event-loop
 turn, a byte at a time, which capped the broker far below its targets). Each message is parsed and
 handed to the same :class:`~kcloak.broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and
 counted, never fatal, never visible to other users.
@@ -29,12 +29,12 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event
-from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
 from kcloak.broker.stores import StoreError
-from kcloak.broker.validation import MalformedJson, parse_json_object, valid_query_id, valid_user_id
-from kcloak.cloaking.profile import ProfileError
+from kcloak.core.profile import ProfileError
+from kcloak.wire.mqtt_client import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from kcloak.wire.payloads import MalformedJson, parse_json_object, valid_query_id, valid_user_id
 
 log = logging.getLogger("kcloak.mqtt")
 

@@ -8,7 +8,7 @@ Python library offers an embeddable broker that lets the application decide when
 module speaks exactly kcloak's interface: input topics go to ``dispatch`` and nowhere else, a QoS 1
 input is acknowledged only once ``dispatch`` says it is durable, in arrival order (MQTT 3.1.1
 §4.6), and the only messages ever delivered to subscribers are kcloak's own (:meth:`MqttServer.publish`).
-Apps keep speaking standard MQTT 3.1.1; the wire codec is :mod:`kcloak.broker.mqtt_intake`'s.
+Apps keep speaking standard MQTT 3.1.1; the wire codec is :mod:`kcloak.wire.mqtt_client`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.mqtt_intake import (
+from kcloak.wire.mqtt_client import (
     CONNACK,
     CONNECT,
     DISCONNECT,
@@ -42,7 +42,7 @@ from kcloak.broker.mqtt_intake import (
     encode_utf8,
     split_frames,
 )
-from kcloak.broker.validation import valid_user_id
+from kcloak.wire.payloads import valid_user_id
 
 log = logging.getLogger("kcloak.mqtt_server")
 

@@ -31,15 +31,15 @@ from kcloak.broker.ratelimit import DedupWindow, TokenBuckets
 from kcloak.broker.sessions import Session, SessionState, SessionTable, session_status
 from kcloak.broker.stores import MovementStore, ProfileStore, QueryLog, StoredProfile, StoreError
 from kcloak.broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
-from kcloak.broker.validation import Fix, InvalidInput, Query, parse_fix, parse_query
 from kcloak.cloaking.cloakers import Refusal, Region, get_cloaker
 from kcloak.cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
 from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
-from kcloak.cloaking.geometry import haversine_m
 from kcloak.cloaking.index import IndexView, PositionIndex
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
 from kcloak.cloaking.temporal import temporal_cell, temporal_window
+from kcloak.core.geometry import haversine_m
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
+from kcloak.wire.payloads import Fix, InvalidInput, Query, parse_fix, parse_query
 
 log = logging.getLogger("kcloak.pipeline")
 

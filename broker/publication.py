@@ -56,10 +56,10 @@ from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.mqtt_intake import MqttIntakeError
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
+from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
 from kcloak.streams.publish import METHODS, Release, anonymize
-from kcloak.streams.readers import FixTable, read_contract_csv, write_contract_csv
+from kcloak.wire.mqtt_client import MqttIntakeError
 
 log = logging.getLogger("kcloak.publication")
 

@@ -25,7 +25,7 @@ from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
 from kcloak.broker.upstream import UpstreamClient
-from kcloak.cloaking.places import PlacesLayer, load_pois
+from kcloak.core.places import PlacesLayer, load_pois
 
 if TYPE_CHECKING:
     from kcloak.broker.publication import WindowPublisher

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.validation import Query
 from kcloak.cloaking.continuous import SharedGroup
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.profile import PrivacyProfile
+from kcloak.wire.payloads import Query
 
 
 class SessionState(enum.StrEnum):

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.profile import PrivacyProfile
 
 SCHEMA_VERSION = 1
 

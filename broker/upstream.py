@@ -21,9 +21,9 @@ from types import TracebackType
 from typing import Any
 
 from kcloak import __version__
-from kcloak.broker.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.validation import parse_json_object
+from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
+from kcloak.wire.payloads import parse_json_object
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 

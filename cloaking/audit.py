@@ -51,11 +51,11 @@ from kcloak.cloaking.attacks import (
 from kcloak.cloaking.attacks.base import Session
 from kcloak.cloaking.bench import SYNTHETIC_NOW, NullProgress, Progress, auto_window_s, clustered_population, user_ids
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays
-from kcloak.streams.readers import FixTable
+from kcloak.core.geometry import EARTH_RADIUS_M, BBox
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile, ProfileArrays
+from kcloak.core.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -347,7 +347,7 @@ def session_runner(
     except ModuleNotFoundError:
         return None
     from kcloak.cloaking.cloakers.base import Region
-    from kcloak.cloaking.profile import ReasonCode
+    from kcloak.core.profile import ReasonCode
 
     def run(start: int, user: int) -> list[tuple[int, BBox]]:
         row = int(world.row_of_user[start][user])

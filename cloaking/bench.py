@@ -9,7 +9,7 @@ code, the k-violation rate of §6.3 on a sample) and the costs (latency percenti
 throughput, per-view preparation, index updates, memory per user). ``clique`` holds
 requests (§4.5), so it is run as a stream of messages spread over simulated time instead.
 
-No I/O here: the CLI (:mod:`kcloak.cloaking.bench_cli`) reads files and renders the report.
+No I/O here: the CLI (:mod:`kcloak.cli.bench_cloak`) reads files and renders the report.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import numpy.typing as npt
 
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
 from kcloak.cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
 from kcloak.cloaking.index import IndexView, PositionIndex
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
-from kcloak.streams.readers import FixTable
+from kcloak.core.geometry import EARTH_RADIUS_M, BBox
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from kcloak.cloaking.cloakers.base import Refusal, Region, finish_region, refuse
-from kcloak.cloaking.geometry import bbox_around_keys
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.core.geometry import bbox_around_keys
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 ENDING_REASONS: frozenset[ReasonCode] = frozenset({ReasonCode.K_UNREACHABLE, ReasonCode.AREA_EXCEEDED})
 """Refusals of a refresh that end the session (contract §6); any other keeps it active."""

@@ -4,7 +4,7 @@ The root square spans ±2^28 micro-degrees in both axes (±268.435456°, the who
 inside), so the cell of level ``h`` is ``2^(29-h)`` micro-degrees wide: every cell edge is a
 whole micro-degree and a cell is an exact lat/lon box, published with no conversion. Level 29
 cells are one micro-degree (≈ 0.11 m). A point's grid coordinate is its floor micro-degree
-(``key >> 1``, see :mod:`kcloak.cloaking.geometry`) plus ``2^28``; Morton codes interleave the two.
+(``key >> 1``, see :mod:`kcloak.core.geometry`) plus ``2^28``; Morton codes interleave the two.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
-from kcloak.cloaking.geometry import (
+from kcloak.cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
+from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
     BBox,
@@ -27,8 +28,7 @@ from kcloak.cloaking.geometry import (
     coordinate_keys,
     key_bounds_array,
 )
-from kcloak.cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.profile import PrivacyProfile
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -312,7 +312,7 @@ class IndexView:
     # -- exact coordinates -------------------------------------------------------------------
     @cached_property
     def lon_key(self) -> I64:
-        """Exact integer keys of the longitudes (see :mod:`kcloak.cloaking.geometry`)."""
+        """Exact integer keys of the longitudes (see :mod:`kcloak.core.geometry`)."""
         k = coordinate_keys(self.lon)
         k.setflags(write=False)
         return k

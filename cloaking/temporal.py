@@ -25,9 +25,9 @@ import numpy.typing as npt
 
 from kcloak.cloaking.cloakers.base import Refusal, Region, refuse
 from kcloak.cloaking.cloakers.interval import WORLD_ROOT, Root, cell_bbox, grid_coord, levels_of
-from kcloak.cloaking.geometry import BBox, coordinate_key, coordinate_keys
 from kcloak.cloaking.grid import GRID_BITS
-from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.core.geometry import BBox, coordinate_key, coordinate_keys
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 F64 = npt.NDArray[np.float64]
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from kcloak.cloaking.places import load_pois
+from kcloak.core.places import load_pois
 from kcloak.simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
 from kcloak.simulators.streets import StreetMovement, load_street_graph
 

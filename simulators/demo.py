@@ -19,7 +19,7 @@ answers and the report, so the command ends about ``duration_s`` after it starte
 published trajectory windows are counted (``GET /v1/published/windows``) and the report of
 :mod:`kcloak.simulators.report` is written while the child processes shut down.
 
-Demo settings (shown in ``kcloak demo --help``, defined in :mod:`kcloak.simulators.demo_cli`): each user
+Demo settings (shown in ``kcloak demo --help``, defined in :mod:`kcloak.cli.demo`): each user
 sends :data:`DEMO_QUERIES_PER_MIN` queries a minute (range and knn), so that a one-minute run answers
 thousands of queries; trajectory windows are :data:`DEMO_PUBLISH_WINDOW_S` long and closed
 :data:`DEMO_MAX_UPDATE_AGE_S` after their end (contract §7: a window is processed once
@@ -52,7 +52,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from kcloak.broker.config import Config
-from kcloak.simulators.demo_cli import (
+from kcloak.cli.demo import (
     DEMO_MAX_AREA_SIDE_KM,
     DEMO_MAX_UPDATE_AGE_S,
     DEMO_MIN_TRAFFIC_SHARE,
@@ -427,7 +427,7 @@ class ChildProcess:
                 sys.executable,
                 "-I",  # isolated: no current folder or PYTHONPATH on sys.path, so nothing there can shadow kcloak
                 "-m",
-                "kcloak.broker.cli",
+                "kcloak.cli.main",
                 *self.args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox
+from kcloak.core.geometry import EARTH_RADIUS_M, BBox
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -50,7 +50,7 @@ class MobilityModel(Protocol):
 
 
 class HasLatLon(Protocol):
-    """Anything with ``lat``/``lon`` columns, such as :class:`kcloak.cloaking.places.PoiSet`."""
+    """Anything with ``lat``/``lon`` columns, such as :class:`kcloak.core.places.PoiSet`."""
 
     @property
     def lat(self) -> FloatArray: ...

@@ -1,6 +1,6 @@
 """``kcloak replay``: send recorded trajectories to the broker as live traffic (contract §9; issue 5).
 
-Input is read with the project's one reader set (:mod:`kcloak.streams.readers`: contract CSV, GeoLife
+Input is read with the project's one reader set (:mod:`kcloak.core.readers`: contract CSV, GeoLife
 ``.plt`` files or folders, GPX, AIS), which skips and counts bad rows, never fatally. Each source
 trajectory becomes one user: ``{prefix}000001``… in order of first appearance, or the tokens
 file's users in order. Times are shifted to now: the earliest fix is sent at start + 1 s, every
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.broker.validation import valid_user_id
+from kcloak.core.readers import FORMATS, FixTable, ReaderError, read_fixes
 from kcloak.simulators.client import ClientInputError, load_client_tokens, open_client, percentiles_ms
 from kcloak.simulators.traffic import QUERY_KINDS, SimulationInputError, random_query
 from kcloak.simulators.transport import BrokerUrl
-from kcloak.streams.readers import FORMATS, FixTable, ReaderError, read_fixes
+from kcloak.wire.payloads import valid_user_id
 
 TICK_S = 0.02
 """Fixes due within one tick are sent together (one batch message in open mode)."""

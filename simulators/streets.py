@@ -27,7 +27,7 @@ import numpy.typing as npt
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, dijkstra
 
-from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.core.geometry import haversine_m_array
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

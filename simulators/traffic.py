@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.profile import PrivacyProfile, ProfileError
+from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.simulators.bench import MODELS
 from kcloak.simulators.bench import build_model as build_bundled_model
 from kcloak.simulators.client import (

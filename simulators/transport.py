@@ -28,8 +28,8 @@ from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 # The MQTT 3.1.1 packet codec is shared with the broker's intake client.
-from kcloak.broker.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
-from kcloak.broker.mqtt_intake import (
+from kcloak.wire.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
+from kcloak.wire.mqtt_client import (
     CONNACK,
     DISCONNECT,
     PINGREQ,
@@ -372,7 +372,7 @@ class MqttClient:
 # -- HTTP --------------------------------------------------------------------------------------
 class HttpClient:
     """A pool of keep-alive HTTP/1.1 connections to one kcloak listener (async context manager);
-    the broker's lean client (:class:`kcloak.broker.http_client.HttpPool`) with errors as :class:`TransportError`.
+    the broker's lean client (:class:`kcloak.wire.http_client.HttpPool`) with errors as :class:`TransportError`.
 
     Keyword-only arguments:
         host, port: the kcloak HTTP listener.

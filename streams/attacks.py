@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.core.geometry import haversine_m_array
 from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
@@ -330,7 +330,7 @@ def audit_trajectories(
 ) -> TrajectoryAudit:
     r"""``kcloak audit trajectories`` (contract §9): verify PUBLISHED, then the km linkage of §7.6.
 
-    ``original`` and ``published`` are :class:`~kcloak.streams.readers.FixTable`\ s. (k,δ) is verified from
+    ``original`` and ``published`` are :class:`~kcloak.core.readers.FixTable`\ s. (k,δ) is verified from
     the published rows alone with the independent verifier (§9.6). The linkage runs against the
     raw data (``raw``), against PUBLISHED when ``mapping`` (published id → traj_id) gives the
     ground truth (``published``), and against each of ``methods`` run here on ORIGINAL.

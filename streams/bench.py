@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.geometry import Aeqd
-from kcloak.streams.readers import FixTable
+from kcloak.core.geometry import Aeqd
+from kcloak.core.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 

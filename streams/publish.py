@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from kcloak.core.readers import FixTable
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult
 from kcloak.streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
-from kcloak.streams.readers import FixTable
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 METHODS: tuple[str, ...] = ("nwa", "w4m", "microagg")

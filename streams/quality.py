@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from kcloak.streams.readers import FixTable
+from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.core.readers import FixTable
 from kcloak.streams.trajectory import Trajectory, trajectories_from_fixes
 
 F64 = npt.NDArray[np.float64]

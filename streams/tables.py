@@ -1,6 +1,6 @@
 """Table builders for releases (contract §8; CONCEPTS §8): trips, staypoints, places, querylog.
 
-Sources: trajectories (any §7 input through :mod:`kcloak.streams.readers`, bad rows counted), a data
+Sources: trajectories (any §7 input through :mod:`kcloak.core.readers`, bad rows counted), a data
 directory (fixes from ``movement.sqlite3``, each user's fixes one trajectory; forwarded
 queries from ``querylog.sqlite3``; both opened read-only, so a running broker is no obstacle),
 or a CSV that already holds a table's "before" columns.
@@ -25,10 +25,10 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
-from kcloak.cloaking import geohash
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from kcloak.cloaking.places import PoiSet
-from kcloak.streams.readers import FixTable, ReaderError, open_text, read_fixes
+from kcloak.core import geohash
+from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.core.places import PoiSet
+from kcloak.core.readers import FixTable, ReaderError, open_text, read_fixes
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -649,7 +649,7 @@ def build_from_fixes(fx: FixTable, kind: TableKind, options: BuildOptions, pois:
         return build_trips(fx, options)
     if kind is TableKind.STAYPOINTS:
         if pois is None:
-            from kcloak.cloaking.places import load_pois
+            from kcloak.core.places import load_pois
 
             pois = load_pois(None)
         return build_staypoints(fx, options, pois)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.streams.readers import FixTable
+from kcloak.core.readers import FixTable
 
 F64 = npt.NDArray[np.float64]
 

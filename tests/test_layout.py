@@ -15,7 +15,7 @@ TOP_LEVEL = ("broker", "cloaking", "streams", "simulators")
 def test_version_comes_from_the_installed_metadata() -> None:
     assert kcloak.__version__ == metadata.version("kcloak")
     out = subprocess.run(
-        [sys.executable, "-I", "-m", "kcloak.broker.cli", "--version"], capture_output=True, text=True, check=True
+        [sys.executable, "-I", "-m", "kcloak.cli.main", "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == f"kcloak {metadata.version('kcloak')}"
 
@@ -26,7 +26,7 @@ def test_no_generic_top_level_name_is_installed(tmp_path: Path) -> None:
     code = (
         "import importlib.util as u\n"
         f"print(','.join(n for n in {TOP_LEVEL!r} if u.find_spec(n) is not None))\n"
-        "print(u.find_spec('kcloak.broker.cli') is not None)\n"
+        "print(u.find_spec('kcloak.cli.main') is not None)\n"
     )
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["", "True"]

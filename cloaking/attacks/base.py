@@ -24,10 +24,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.checks.reciprocity import wilson_interval
-from kcloak.cloaking.geometry import UDEG_PER_DEG, BBox
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.geometry import UDEG_PER_DEG, BBox
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -155,7 +155,7 @@ class Forwarded:
     @cached_property
     def area_m2(self) -> F64:
         """Contract area of every forwarded region (NaN where refused)."""
-        from kcloak.cloaking.geometry import bbox_area_m2_array
+        from kcloak.core.geometry import bbox_area_m2_array
 
         b = self.bbox.astype(np.float64) / UDEG_PER_DEG
         a = np.asarray(bbox_area_m2_array(b[:, 0], b[:, 1], b[:, 2], b[:, 3]), dtype=np.float64)

@@ -23,7 +23,7 @@ from kcloak.cloaking.attacks.base import (
     Target,
     nan_mean,
 )
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, UDEG_PER_DEG, haversine_m_array
+from kcloak.core.geometry import EARTH_RADIUS_M, UDEG_PER_DEG, haversine_m_array
 
 M_PER_DEG = EARTH_RADIUS_M * np.pi / 180.0
 

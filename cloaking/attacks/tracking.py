@@ -24,7 +24,7 @@ from kcloak.cloaking.attacks.base import (
     box_udeg,
     nan_mean,
 )
-from kcloak.cloaking.geometry import BBox
+from kcloak.core.geometry import BBox
 
 
 def _track(data: CloakedWorld, regions: Sequence[tuple[int, BBox]]) -> set[int]:

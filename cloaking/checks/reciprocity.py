@@ -21,9 +21,9 @@ import numpy.typing as npt
 
 from kcloak.cloaking.checks.regions import haversine_m, join_override
 from kcloak.cloaking.cloakers.base import Cloaker
-from kcloak.cloaking.geometry import BBox
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.geometry import BBox
+from kcloak.core.profile import PrivacyProfile
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]

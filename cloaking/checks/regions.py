@@ -3,7 +3,7 @@
 It re-derives every property by brute force from the raw snapshot and the published bytes,
 and imports only the standard library, :mod:`decimal` and numpy: the contract's sphere, area
 formula and strict containment are restated here on purpose, never taken from
-``kcloak.cloaking.geometry``/``kcloak.cloaking.index`` or a cloaker. Containment is judged the two ways a
+``kcloak.core.geometry``/``kcloak.cloaking.index`` or a cloaker. Containment is judged the two ways a
 client of the JSON can judge it, and a point is inside only if both agree: float64 (the edge's
 text and the coordinate's text each parsed to a float) and exact decimals (``Decimal`` of the
 edge's text against ``Decimal`` of the coordinate's JSON text, ``repr`` of the float, which is

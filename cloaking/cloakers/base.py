@@ -15,9 +15,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.geometry import BBox, expand_to_area
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import BBox, expand_to_area
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, np.int64)

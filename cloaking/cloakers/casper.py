@@ -51,10 +51,10 @@ from kcloak.cloaking.cloakers.interval import (
     run_start,
     shortfall,
 )
-from kcloak.cloaking.geometry import coordinate_key
 from kcloak.cloaking.grid import GRID_BITS
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import coordinate_key
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kcloak.cloaking.geometry import (
+from kcloak.core.geometry import (
     EARTH_RADIUS_M,
     UDEG_PER_DEG,
     WORLD_LAT_UDEG,
@@ -29,7 +29,7 @@ from kcloak.cloaking.geometry import (
     bbox_around_keys,
     expand_to_area,
 )
-from kcloak.cloaking.profile import MAX_AREA_CAP_M2, PrivacyProfile
+from kcloak.core.profile import MAX_AREA_CAP_M2, PrivacyProfile
 
 _BOX_CHECK_COST = 50  # budget units charged per candidate clique whose box is checked
 _SHRINK = 1.0 - 1e-9  # the lat/lon box aims a hair inside the metric square
@@ -109,7 +109,7 @@ def _as_bbox(box: tuple[int, int, int, int]) -> BBox | None:
 def constraint_box_udeg(lat: float, lon: float, max_area_m2: float) -> tuple[int, int, int, int]:
     """Whole-µdeg lat/lon box ``(lon0, lat0, lon1, lat1)`` contained in the querier's metric square (§3.1).
 
-    The square has side ``√max_area_m2`` in the :class:`~kcloak.cloaking.geometry.Aeqd` frame of the
+    The square has side ``√max_area_m2`` in the :class:`~kcloak.core.geometry.Aeqd` frame of the
     querier (§2.1). Parallels curve and meridians converge in that frame, so each side of the
     lat/lon box is pulled in (by whole micro-degrees) until its boundary maps inside the square.
     The boundary is checked where the frame's coordinates peak on it — corners, the querier's
@@ -181,7 +181,7 @@ _FRACTIONS = (0.0, 0.5, 1.0)
 
 
 def _aeqd(sp0: float, cp0: float, lon0: float, lat: float, lon: float) -> tuple[float, float]:
-    """Scalar :meth:`kcloak.cloaking.geometry.Aeqd.forward` (same formulas) for the frame at ``asin(sp0)``, ``lon0``."""
+    """Scalar :meth:`kcloak.core.geometry.Aeqd.forward` (same formulas) for the frame at ``asin(sp0)``, ``lon0``."""
     p = math.radians(lat)
     dl = math.radians(lon - lon0)
     sp, cp, cdl = math.sin(p), math.cos(p), math.cos(dl)
@@ -191,7 +191,7 @@ def _aeqd(sp0: float, cp0: float, lon0: float, lat: float, lon: float) -> tuple[
 
 
 def exact_key(value: float) -> int:
-    """Scalar :func:`kcloak.cloaking.geometry.coordinate_key` in integer arithmetic (no numpy call per request)."""
+    """Scalar :func:`kcloak.core.geometry.coordinate_key` in integer arithmetic (no numpy call per request)."""
     m = round(value * UDEG_PER_DEG)
     if m / UDEG_PER_DEG == value:  # the float of micro-degree m: on it, as a client reads it
         return 2 * m

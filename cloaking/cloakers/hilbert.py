@@ -25,7 +25,9 @@ from kcloak.cloaking.cloakers.base import (
     Region,
     refuse,
 )
-from kcloak.cloaking.geometry import (
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
+from kcloak.cloaking.index import IndexView
+from kcloak.core.geometry import (
     EARTH_RADIUS_M,
     MAX_REGION_AREA_M2,
     UDEG_PER_DEG,
@@ -36,9 +38,7 @@ from kcloak.cloaking.geometry import (
     expand_to_area,
     key_bounds_array,
 )
-from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
-from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -237,7 +237,7 @@ def group_extents(values_sorted: npt.ArrayLike, bounds: npt.ArrayLike) -> tuple[
 
 
 def bboxes_around_keys(min_lon_key: I64, min_lat_key: I64, max_lon_key: I64, max_lat_key: I64) -> I64:
-    """Vectorized :func:`kcloak.cloaking.geometry.bbox_around_keys`: ``(m, 4)`` micro-degree boxes."""
+    """Vectorized :func:`kcloak.core.geometry.bbox_around_keys`: ``(m, 4)`` micro-degree boxes."""
     return np.stack(
         [
             np.maximum((min_lon_key - 1) >> 1, -WORLD_LON_UDEG),

@@ -20,7 +20,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, Region, finish_region, refuse
-from kcloak.cloaking.geometry import (
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
+from kcloak.cloaking.index import IndexView
+from kcloak.core.geometry import (
     UDEG_PER_DEG,
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
@@ -28,9 +30,7 @@ from kcloak.cloaking.geometry import (
     bbox_area_m2,
     bbox_area_m2_array,
 )
-from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
-from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]

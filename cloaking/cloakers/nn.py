@@ -15,9 +15,9 @@ from scipy.spatial import cKDTree
 
 from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, finish_region, refuse
 from kcloak.cloaking.cloakers.hilbert import bbox_areas_m2, bboxes_around_keys
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, BBox, bbox_around_keys, haversine_m_array
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import EARTH_RADIUS_M, BBox, bbox_around_keys, haversine_m_array
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]

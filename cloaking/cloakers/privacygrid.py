@@ -19,7 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, Region, cloak_each, refuse
-from kcloak.cloaking.geometry import (
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords
+from kcloak.cloaking.index import IndexView
+from kcloak.core.geometry import (
     EARTH_RADIUS_M,
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
@@ -27,10 +29,8 @@ from kcloak.cloaking.geometry import (
     coordinate_keys,
     expand_to_area,
 )
-from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords
-from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 Rect = tuple[int, int, int, int]

@@ -45,7 +45,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking import geohash
+from kcloak.core import geohash
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -97,7 +97,7 @@ class FixedHierarchy(Protocol):
 class GeohashPrefixHierarchy:
     """Geohash cells of one precision → shorter prefixes → ``*`` (CONCEPTS §8.2), e.g. ``wx4g*``.
 
-    Items are the integer codes of :mod:`kcloak.cloaking.geohash`; level ``j`` drops ``j`` characters.
+    Items are the integer codes of :mod:`kcloak.core.geohash`; level ``j`` drops ``j`` characters.
     """
 
     precision: int

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M
+from kcloak.core.geometry import EARTH_RADIUS_M
 from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]

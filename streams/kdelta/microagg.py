@@ -27,7 +27,7 @@ import numpy.typing as npt
 from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M
+from kcloak.core.geometry import EARTH_RADIUS_M
 from kcloak.streams.kdelta import KDeltaResult, check_params, from_unit, to_unit, trash_limit
 from kcloak.streams.trajectory import Trajectory
 

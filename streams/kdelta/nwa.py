@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, Aeqd
+from kcloak.core.geometry import EARTH_RADIUS_M, Aeqd
 from kcloak.streams.kdelta import (
     KDeltaResult,
     angle_between,

@@ -51,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from kcloak.cloaking.geometry import Aeqd
+from kcloak.core.geometry import Aeqd
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
 from kcloak.streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
 from kcloak.streams.trajectory import Trajectory

@@ -38,7 +38,7 @@ def test_short_run_reports_every_field_with_answered_queries() -> None:
 
 def test_cli_rejects_bad_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-I", "-m", "kcloak.broker.cli", "bench", "broker", "--duration", "0", "--json"],
+        [sys.executable, "-I", "-m", "kcloak.cli.main", "bench", "broker", "--duration", "0", "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -54,7 +54,7 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
     answerer in the test replies to every query, in bursts, and tracks each client's outstanding
     queries."""
     from kcloak.broker.bench import QUERY_WINDOW, _mqtt_query_worker, _run_workers, _split, mosquitto
-    from kcloak.broker.mqtt_intake import Incoming, IntakeConnection
+    from kcloak.wire.mqtt_client import Incoming, IntakeConnection
 
     outstanding: dict[str, int] = {}
     most: dict[str, int] = {}

@@ -279,7 +279,7 @@ async def test_answers_through_the_real_lbs_equal_the_exact_answer(tmp_path: Pat
     """Broker + ``kcloak lbs`` on the bundled Beijing POIs: the inclusive candidate set filtered at
     the exact position gives exactly the answer computed over all POIs."""
     from kcloak.broker.lbs_server import LbsServer
-    from kcloak.cloaking.places import load_pois
+    from kcloak.core.places import load_pois
 
     poiset = load_pois(None)
     pois = [

@@ -9,7 +9,7 @@ from typing import Any
 
 from kcloak.broker.pipeline import FIX_CHUNK
 from kcloak.broker.service import Broker
-from kcloak.cloaking.profile import ReasonCode
+from kcloak.core.profile import ReasonCode
 
 
 def _expected(items: list[tuple[str, dict[str, Any]]]) -> list[str | None]:

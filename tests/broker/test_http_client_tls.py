@@ -12,8 +12,8 @@ import pytest
 import trustme
 from aiohttp import web
 
-from kcloak.broker.http_client import HttpConnectionError, HttpPool
 from kcloak.broker.upstream import SearchRequest, UpstreamClient, UpstreamError
+from kcloak.wire.http_client import HttpConnectionError, HttpPool
 
 CANDIDATE = {"poi_id": "p1", "lat": 39.9, "lon": 116.4, "category": "cafe", "name": "tls"}
 

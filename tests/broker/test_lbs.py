@@ -19,8 +19,8 @@ from kcloak.broker.lbs import (
     planar_casper_bound,
     planar_knn_candidates,
 )
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from kcloak.cloaking.places import Poi, PoiSet, load_pois
+from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.core.places import Poi, PoiSet, load_pois
 
 M_PER_DEG = EARTH_RADIUS_M * math.pi / 180
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kcloak.broker.cli import main
-from kcloak.broker.lbs_bench import LbsBenchConfig, search_stream
-from kcloak.cloaking.geometry import bbox_area_m2
-from kcloak.cloaking.places import load_pois
+from kcloak.cli.bench_lbs import LbsBenchConfig, search_stream
+from kcloak.cli.main import main
+from kcloak.core.geometry import bbox_area_m2
+from kcloak.core.places import load_pois
 
 
 def test_bench_lbs_json_rows(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from kcloak.broker.lbs_server import REGION_FIELDS, SEARCH_FIELDS, LbsServer
 from kcloak.broker.logs import JsonFormatter
 from kcloak.broker.upstream import SearchRequest as UpstreamRequest
 from kcloak.broker.upstream import UpstreamClient
-from kcloak.cloaking.places import Poi, PoiSet
+from kcloak.core.places import Poi, PoiSet
 
 ROOT = Path(__file__).resolve().parents[2]
 PSEUDONYM = "3f9a0c5e1b7d42a8a9e6c0d4f1b2a3c4"
@@ -323,7 +323,7 @@ async def test_logs_hold_no_coordinates_ids_or_categories(
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-m", "kcloak.broker.cli", *args]
+    return [sys.executable, "-I", "-m", "kcloak.cli.main", *args]
 
 
 async def _startup_url(proc: asyncio.subprocess.Process) -> str:

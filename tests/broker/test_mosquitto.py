@@ -20,11 +20,11 @@ import aiomqtt
 import pytest
 
 from kcloak.broker.auth import TokenStore
-from kcloak.broker.cli import main as cli_main
 from kcloak.broker.mosquitto import mosquitto_hash
 from kcloak.broker.mqtt import free_port
-from kcloak.broker.mqtt_intake import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from kcloak.broker.service import Broker
+from kcloak.cli.main import main as cli_main
+from kcloak.wire.mqtt_client import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from tests.broker.conftest import SpyUpstream, broker_config
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from kcloak.broker.mqtt_intake import (
+from kcloak.broker.service import Broker
+from kcloak.wire.mqtt_client import (
     CONNACK,
     CONNECT,
     PINGREQ,
@@ -35,7 +36,6 @@ from kcloak.broker.mqtt_intake import (
     encode_packet,
     encode_utf8,
 )
-from kcloak.broker.service import Broker
 from tests.broker.conftest import SpyUpstream, broker_config
 
 

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, ConfigError
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.mqtt_intake import MqttIntakeError
 from kcloak.broker.publication import PROCESS_MIN_ROWS, TOPIC, Window, WindowPublisher, WindowState, window_start
 from kcloak.broker.service import Broker
 from kcloak.broker.stores import MovementStore
+from kcloak.core.readers import read_contract_csv
 from kcloak.streams.publish import METHODS
 from kcloak.streams.quality import publication_format_problems, verify_k_delta
-from kcloak.streams.readers import read_contract_csv
+from kcloak.wire.mqtt_client import MqttIntakeError
 from tests.broker.conftest import SpyUpstream, broker_config
 
 K = 3

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-m", "kcloak.broker.cli", *args]
+    return [sys.executable, "-I", "-m", "kcloak.cli.main", *args]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -119,7 +119,7 @@ async def test_workload_logs_leak_no_ids_or_coordinates(tmp_path: Path, spy: Spy
 def test_settle_gc_freezes_what_exists_and_raises_the_young_threshold() -> None:
     import gc
 
-    from kcloak.broker.serve_cli import GC_THRESHOLD, settle_gc
+    from kcloak.cli.serve import GC_THRESHOLD, settle_gc
 
     before = gc.get_threshold()
     try:

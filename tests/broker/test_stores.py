@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.profile import PrivacyProfile
 
 
 def test_data_dir_is_private_and_locked(tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from kcloak.broker.auth import HEX64_RE, TOKEN_RE
 from kcloak.broker.publication import Window
-from kcloak.broker.validation import (
+from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
+from kcloak.streams.quality import PUBLISHED_ID
+from kcloak.wire.payloads import (
     CATEGORY_RE,
     SESSION_ID_RE,
     InvalidInput,
@@ -23,8 +25,6 @@ from kcloak.broker.validation import (
     valid_query_id,
     valid_user_id,
 )
-from kcloak.cloaking.profile import PrivacyProfile, ProfileError, ReasonCode
-from kcloak.streams.quality import PUBLISHED_ID
 
 
 @pytest.mark.parametrize(

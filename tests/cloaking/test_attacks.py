@@ -17,7 +17,7 @@ import pytest
 from kcloak.cloaking.checks import candidate_sets, centre_guess, wilson_interval
 from kcloak.cloaking.cloakers import get_cloaker
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.profile import PrivacyProfile
 
 F64 = npt.NDArray[np.float64]
 K = 5

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.broker.cli import main
+from kcloak.cli.main import main
 from kcloak.cloaking.attacks import (
     BoundaryGuess,
     CentreGuess,
@@ -34,10 +34,10 @@ from kcloak.cloaking.attacks import (
 from kcloak.cloaking.audit import cloak_world, snapshot_targets, stay_points, synthetic_world, tracking_targets
 from kcloak.cloaking.checks import candidate_sets, wilson_interval
 from kcloak.cloaking.cloakers import get_cloaker
-from kcloak.cloaking.geometry import BBox
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.geometry import BBox
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile
 
 K = 5
 PROFILE = PrivacyProfile(k=K)

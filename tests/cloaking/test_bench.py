@@ -11,7 +11,7 @@ import pytest
 
 import kcloak.cloaking.bench as bench
 import kcloak.cloaking.cloakers as registry
-from kcloak.broker.cli import main
+from kcloak.cli.main import main
 from kcloak.cloaking.bench import (
     CONTRACT_FIELDS,
     CloakBenchConfig,
@@ -26,11 +26,11 @@ from kcloak.cloaking.bench import (
     snapshot_population,
 )
 from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, cloak_each, finish_region, refuse
-from kcloak.cloaking.geometry import BBox
 from kcloak.cloaking.grid import cell_udeg
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
-from kcloak.streams.readers import FixTable
+from kcloak.core.geometry import BBox
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.readers import FixTable
 
 HERE = "tests.cloaking.test_bench"
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from kcloak.cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
 from kcloak.cloaking.cloakers.casper import AdaptivePyramid, CasperCloak, leaf_levels
 from kcloak.cloaking.cloakers.interval import KIND_CELL, KIND_HPAIR, KIND_VPAIR, Root, cell_area_m2, cell_bbox, group_id
-from kcloak.cloaking.geometry import bbox_area_m2, coordinate_key
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, cell_udeg
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import bbox_area_m2, coordinate_key
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 from tests.cloaking.test_interval import (
     GG_USERS,
     PLANAR_ROOT,

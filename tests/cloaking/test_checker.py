@@ -35,9 +35,9 @@ from kcloak.cloaking.checks import (
 from kcloak.cloaking.checks.regions import inside_mask
 from kcloak.cloaking.cloakers.base import CloakResult, Region, refuse
 from kcloak.cloaking.cloakers.clique import CliqueRelease, CliqueRequest
-from kcloak.cloaking.geometry import BBox, bbox_area_m2, bbox_around_keys, coordinate_keys
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.core.geometry import BBox, bbox_area_m2, bbox_around_keys, coordinate_keys
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 NOW = 1_000.0
 P3 = PrivacyProfile(k=3, min_area_m2=0.0)

@@ -18,8 +18,8 @@ from kcloak.cloaking.cloakers.clique import (
     constraint_box_udeg,
     exact_key,
 )
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, Aeqd, BBox, bbox_area_m2, coordinate_keys
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.geometry import EARTH_RADIUS_M, Aeqd, BBox, bbox_area_m2, coordinate_keys
+from kcloak.core.profile import PrivacyProfile
 
 UNIT_DEG = 1e-4
 """The planar test frame of §4.5's example: one unit is 1e-4° (≈ 11 m) on the equator."""

@@ -30,7 +30,7 @@ from kcloak.cloaking.checks import (
 from kcloak.cloaking.cloakers import Refusal, Region, get_cloaker
 from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
 from kcloak.cloaking.index import IndexView, PositionIndex
-from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 NOW = 1_700_000_000.0
 STALE_S = 60.0

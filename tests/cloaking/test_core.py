@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.cloaking.geometry import (
+from kcloak.cloaking.index import PositionIndex
+from kcloak.core.geometry import (
     EARTH_RADIUS_M,
     Aeqd,
     BBox,
@@ -23,8 +24,7 @@ from kcloak.cloaking.geometry import (
     haversine_m,
     haversine_m_array,
 )
-from kcloak.cloaking.index import PositionIndex
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
 
 coords = st.one_of(
     st.floats(-180, 180, allow_nan=False),

@@ -27,10 +27,10 @@ from kcloak.cloaking.cloakers.hilbert import (
     super_bucket_levels,
     tie_keys,
 )
-from kcloak.cloaking.geometry import BBox, bbox_around_keys, coordinate_keys
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
 from kcloak.cloaking.index import IndexView, hash_user
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import BBox, bbox_around_keys, coordinate_keys
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 WIDE = 2.5e9  # largest max_area_m2: refusals then come from the buckets only
 

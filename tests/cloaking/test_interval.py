@@ -26,10 +26,10 @@ from kcloak.cloaking.cloakers.interval import (
     run_end,
     run_start,
 )
-from kcloak.cloaking.geometry import BBox, bbox_area_m2, coordinate_key
 from kcloak.cloaking.grid import GRID_BITS, cell_udeg, grid_coords
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import BBox, bbox_area_m2, coordinate_key
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 # -- the planar test frame of §4.0: [0, 400)² metres onto one grid cell at the equator ----------
 #

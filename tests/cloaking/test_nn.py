@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kcloak.cloaking.cloakers import get_cloaker
 from kcloak.cloaking.cloakers.base import BatchResult, Refusal, Region
 from kcloak.cloaking.cloakers.nn import NearestNeighbourCloak, nn_mbr_area_m2
-from kcloak.cloaking.geometry import BBox, bbox_around_keys, haversine_m, haversine_m_array
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import BBox, bbox_around_keys, haversine_m, haversine_m_array
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 WIDE = 2.5e9
 SCALE = 2.0**-10

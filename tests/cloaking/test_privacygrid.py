@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from kcloak.cloaking.cloakers import Cloaker, Refusal, Region, get_cloaker
 from kcloak.cloaking.cloakers.privacygrid import DEFAULT_LEVEL, PrivacyGridCloak
-from kcloak.cloaking.geometry import BBox, bbox_area_m2
 from kcloak.cloaking.grid import cell_udeg
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.geometry import BBox, bbox_area_m2
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 F64 = npt.NDArray[np.float64]
 LEVEL = DEFAULT_LEVEL

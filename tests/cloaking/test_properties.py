@@ -36,8 +36,8 @@ from kcloak.cloaking.cloakers import get_cloaker
 from kcloak.cloaking.cloakers.base import STATUS_OK, Refusal, Region
 from kcloak.cloaking.grid import GRID_OFFSET
 from kcloak.cloaking.index import IndexView
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile, ProfileArrays
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile, ProfileArrays
 
 F64 = npt.NDArray[np.float64]
 

@@ -33,8 +33,8 @@ from kcloak.cloaking.checks import (
 from kcloak.cloaking.cloakers import get_cloaker
 from kcloak.cloaking.cloakers.base import Refusal, Region
 from kcloak.cloaking.index import IndexView, PositionIndex
-from kcloak.cloaking.places import PlacesLayer
-from kcloak.cloaking.profile import PrivacyProfile
+from kcloak.core.places import PlacesLayer
+from kcloak.core.profile import PrivacyProfile
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ais_nyharbor.csv.gz"
 STALE_AFTER_S = 600.0

@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 
 from kcloak.cloaking.cloakers import Refusal, Region
 from kcloak.cloaking.cloakers.interval import cell_bbox
-from kcloak.cloaking.geometry import BBox, coordinate_key
 from kcloak.cloaking.grid import GRID_BITS, grid_coords
-from kcloak.cloaking.profile import PrivacyProfile, ReasonCode
 from kcloak.cloaking.temporal import (
     ArrayFixHistory,
     Fixes,
@@ -26,6 +24,8 @@ from kcloak.cloaking.temporal import (
     temporal_cloak,
     temporal_window,
 )
+from kcloak.core.geometry import BBox, coordinate_key
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 # -- (1) the cell choice -------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 and of the ``kcloak`` parser itself: exit codes, one JSON object on stdout, the broker probe, help text,
 and a ``--help`` that imports no heavy module.
 
-The commands run through :func:`kcloak.broker.cli.main` in a worker thread (they call ``asyncio.run``) against
+The commands run through :func:`kcloak.cli.main.main` in a worker thread (they call ``asyncio.run``) against
 a real broker on loopback, a real reference LBS (an HTTP service that is not kcloak) and, where
 installed, a bare mosquitto (an MQTT broker without kcloak).
 """
@@ -22,15 +22,15 @@ import pytest
 
 import kcloak.simulators.load as load_module
 from kcloak.broker.bench import mosquitto
-from kcloak.broker.cli import build_parser, main
 from kcloak.broker.lbs_server import LbsServer
 from kcloak.broker.mqtt import free_port
-from kcloak.cloaking.places import load_pois
+from kcloak.cli.main import build_parser, main
+from kcloak.core.places import load_pois
+from kcloak.core.readers import FixTable
 from kcloak.simulators.load import LoadConfig, run_load
 from kcloak.simulators.preflight import probe_broker, probe_mqtt
 from kcloak.simulators.replay import ReplayConfig, plan_replay
 from kcloak.simulators.transport import BrokerUrl, TransportError
-from kcloak.streams.readers import FixTable
 from tests.broker.conftest import SpyUpstream, spy  # noqa: F401
 from tests.simulators.test_traffic import real_broker, tokens_file
 
@@ -38,18 +38,18 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 CLI_MODULES = (
-    "kcloak.broker.serve_cli",
+    "kcloak.cli.serve",
     "kcloak.broker.mosquitto",
-    "kcloak.cloaking.bench_cli",
-    "kcloak.broker.lbs_cli",
-    "kcloak.broker.bench_cli",
-    "kcloak.streams.anonymize_cli",
-    "kcloak.streams.bench_cli",
-    "kcloak.cloaking.audit_cli",
-    "kcloak.simulators.demo_cli",
-    "kcloak.simulators.cli",
-    "kcloak.streams.release_cli",
-    "kcloak.streams.bench_release",
+    "kcloak.cli.bench_cloak",
+    "kcloak.cli.lbs",
+    "kcloak.cli.bench_broker",
+    "kcloak.cli.anonymize",
+    "kcloak.cli.bench_anonymize",
+    "kcloak.cli.audit",
+    "kcloak.cli.demo",
+    "kcloak.cli.simulate",
+    "kcloak.cli.release",
+    "kcloak.cli.bench_release",
 )
 """Command modules whose parsers must build without heavy imports."""
 
@@ -84,32 +84,32 @@ def test_parser_modules_import_nothing_heavy() -> None:
 def test_parser_constants_match_their_owners() -> None:
     """Choices spelled out in the CLI modules (to keep --help fast) agree with the modules that own them."""
     import kcloak.broker.config
+    import kcloak.cli.anonymize
+    import kcloak.cli.bench_cloak
+    import kcloak.cli.demo
+    import kcloak.cli.simulate
     import kcloak.cloaking.audit
     import kcloak.cloaking.bench
-    import kcloak.cloaking.bench_cli
+    import kcloak.core.readers
     import kcloak.simulators.bench
-    import kcloak.simulators.cli
-    import kcloak.simulators.demo_cli
     import kcloak.simulators.traffic
-    import kcloak.streams.anonymize_cli
-    import kcloak.streams.readers
-    from kcloak.cloaking import audit_cli
+    from kcloak.cli import audit as audit_cli
     from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS
     from kcloak.streams.kdelta import w4m
 
-    assert kcloak.simulators.cli.MODELS == kcloak.simulators.bench.MODELS
-    assert kcloak.simulators.cli.QUERY_KINDS == kcloak.simulators.traffic.QUERY_KINDS
-    assert kcloak.simulators.cli.FORMATS == kcloak.streams.readers.FORMATS
-    assert kcloak.cloaking.bench_cli.SPATIAL_ALGORITHMS == SPATIAL_ALGORITHMS
-    assert kcloak.cloaking.bench_cli.K_LEVEL_WEIGHTS == kcloak.cloaking.bench.K_LEVEL_WEIGHTS
-    assert kcloak.cloaking.bench_cli.DEFAULT_K_SPREAD == kcloak.cloaking.bench.DEFAULT_K_SPREAD
-    assert kcloak.simulators.demo_cli.ALGORITHMS == kcloak.broker.config.ALGORITHMS
-    assert kcloak.streams.anonymize_cli.FORMATS == kcloak.streams.readers.FORMATS
-    assert kcloak.streams.anonymize_cli.DEFAULT_TAU_S == w4m.DEFAULT_TAU_S
-    assert tuple(d.value for d in w4m.Distance) == kcloak.streams.anonymize_cli.DISTANCES
+    assert kcloak.cli.simulate.MODELS == kcloak.simulators.bench.MODELS
+    assert kcloak.cli.simulate.QUERY_KINDS == kcloak.simulators.traffic.QUERY_KINDS
+    assert kcloak.cli.simulate.FORMATS == kcloak.core.readers.FORMATS
+    assert kcloak.cli.bench_cloak.SPATIAL_ALGORITHMS == SPATIAL_ALGORITHMS
+    assert kcloak.cli.bench_cloak.K_LEVEL_WEIGHTS == kcloak.cloaking.bench.K_LEVEL_WEIGHTS
+    assert kcloak.cli.bench_cloak.DEFAULT_K_SPREAD == kcloak.cloaking.bench.DEFAULT_K_SPREAD
+    assert kcloak.cli.demo.ALGORITHMS == kcloak.broker.config.ALGORITHMS
+    assert kcloak.cli.anonymize.FORMATS == kcloak.core.readers.FORMATS
+    assert kcloak.cli.anonymize.DEFAULT_TAU_S == w4m.DEFAULT_TAU_S
+    assert tuple(d.value for d in w4m.Distance) == kcloak.cli.anonymize.DISTANCES
     assert audit_cli.DEFAULT_KS == kcloak.cloaking.audit.DEFAULT_KS
     assert audit_cli.DEFAULT_SYNTHETIC_USERS == kcloak.cloaking.audit.DEFAULT_SYNTHETIC_USERS
-    assert audit_cli.FORMATS == kcloak.streams.readers.FORMATS
+    assert audit_cli.FORMATS == kcloak.core.readers.FORMATS
 
 
 def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.cloaking.geometry import BBox, haversine_m_array
-from kcloak.cloaking.places import load_pois
+from kcloak.core.geometry import BBox, haversine_m_array
+from kcloak.core.places import load_pois
 from kcloak.simulators.bench import MODELS, measure_models
 from kcloak.simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
 

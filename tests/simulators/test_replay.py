@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kcloak.core.readers import FixTable, read_fixes
 from kcloak.simulators.replay import ReplayConfig, ReplayInputError, load_plan, plan_replay, resample, run_replay
-from kcloak.streams.readers import FixTable, read_fixes
 from tests.broker.conftest import SpyUpstream, spy  # noqa: F401
 from tests.simulators.test_traffic import count, fixes_counted, real_broker, settled, tokens_file
 

@@ -11,7 +11,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 import pytest
 
-from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.core.geometry import haversine_m_array
 from kcloak.simulators.streets import (
     NOT_ROUTABLE,
     SPEED_KMH,

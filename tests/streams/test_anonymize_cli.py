@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kcloak.broker.cli import main
+from kcloak.cli.main import main
+from kcloak.core.readers import read_fixes
 from kcloak.streams.quality import verify_k_delta
-from kcloak.streams.readers import read_fixes
 
 
 def _write_trajectories(path: Path, n: int, seed: int = 3) -> None:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kcloak.broker.cli import main
-from kcloak.cloaking.geometry import haversine_m_array
+from kcloak.cli.main import main
+from kcloak.core.geometry import haversine_m_array
 from kcloak.streams.bench import (
     CITY_CENTRE,
     CITY_RADIUS_M,

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.broker.cli import main
+from kcloak.cli.main import main
 from kcloak.cloaking.checks import wilson_interval
+from kcloak.core.readers import FixTable, read_fixes, write_contract_csv
 from kcloak.streams.attacks import KnownPointsLinkage, LinkageError, _Stacked, audit_trajectories
 from kcloak.streams.publish import Release, anonymize
-from kcloak.streams.readers import FixTable, read_fixes, write_contract_csv
 from kcloak.streams.trajectory import Trajectory, trajectories_from_fixes
 
 K = 5

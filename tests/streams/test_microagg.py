@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, dijkstra
 
-from kcloak.cloaking.geometry import Aeqd
+from kcloak.core.geometry import Aeqd
 from kcloak.streams.kdelta.microagg import _cluster, cluster, mdav_groups, microaggregate, p_contemporaneous_distances
 from kcloak.streams.quality import verify_k_delta
 from kcloak.streams.trajectory import Trajectory, fixes_of

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.cloaking.geometry import Aeqd, haversine_m_array
+from kcloak.core.geometry import Aeqd, haversine_m_array
 from kcloak.streams.kdelta import KDeltaError, trash_limit
 from kcloak.streams.kdelta.nwa import (
     _Greedy,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kcloak.cloaking.geometry import Aeqd
+from kcloak.core.geometry import Aeqd
+from kcloak.core.readers import FixTable
 from kcloak.streams.publish import anonymize, fresh_ids, publish_rows
 from kcloak.streams.quality import (
     Violation,
@@ -15,7 +16,6 @@ from kcloak.streams.quality import (
     translation_m,
     verify_k_delta,
 )
-from kcloak.streams.readers import FixTable
 from kcloak.streams.trajectory import Trajectory, fixes_of
 
 FRAME = Aeqd(45.0, 10.0)

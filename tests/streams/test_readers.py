@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.streams.readers import (
+from kcloak.core.readers import (
     READERS,
     FixTable,
     ReaderError,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kcloak.streams.readers import (
+from kcloak.core.readers import (
     READERS,
     FixTable,
     ReaderError,

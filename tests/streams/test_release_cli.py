@@ -1,4 +1,4 @@
-"""``kcloak release`` end to end through ``kcloak.broker.cli.main``: outputs, report, exit codes (contract §8, §9)."""
+"""``kcloak release`` end to end through ``kcloak.cli.main.main``: outputs, report, exit codes (contract §8, §9)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kcloak.broker.cli import main
 from kcloak.broker.stores import QUERYLOG_SQL, open_db
+from kcloak.cli.main import main
 
 R = 6_371_008.8
 REPORT_FIELDS = {

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kcloak.broker.cli import main
 from kcloak.broker.stores import QUERYLOG_SQL, open_db
-from kcloak.streams import release_cli
+from kcloak.cli import release as release_cli
+from kcloak.cli.main import main
 from kcloak.streams.release import KM_ALGORITHMS, ReleaseOutcome
 from kcloak.streams.tables import SOURCE_FORMATS, TableKind
 from tests.streams.test_release_cli import _trajectories
@@ -144,7 +144,7 @@ def test_bench_release_empty_trace_exits_2(tmp_path: Path, capsys: pytest.Captur
 
 def test_acd_vs_aa_ignores_empty_places_tables() -> None:
     """Zero-row places releases (a trace without stay points) make no ACD-vs-AA comparison."""
-    from kcloak.streams.bench_release import BenchRow, acd_vs_aa
+    from kcloak.cli.bench_release import BenchRow, acd_vs_aa
 
     rows = [BenchRow("places", algo, 5, 0, 1e-5, 0.0, None, 0, cpu_s=0.0) for algo in ("acd", "aa")]
     assert acd_vs_aa(rows) == {"ncp_ratio": None, "time_ratio": None, "holds": None, "ks": []}

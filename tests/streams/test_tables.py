@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kcloak.broker.stores import MOVEMENT_SQL, QUERYLOG_SQL, open_db
-from kcloak.cloaking import geohash
-from kcloak.cloaking.places import load_pois, parse_pois
-from kcloak.streams.readers import FixTable, read_fixes
+from kcloak.core import geohash
+from kcloak.core.places import load_pois, parse_pois
+from kcloak.core.readers import FixTable, read_fixes
 from kcloak.streams.tables import (
     BuildOptions,
     NotApplicableSource,

@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.broker.cli import main
-from kcloak.cloaking.geometry import Aeqd, haversine_m_array
+from kcloak.cli.main import main
+from kcloak.core.geometry import Aeqd, haversine_m_array
+from kcloak.core.readers import read_fixes
 from kcloak.streams.kdelta import KDeltaError, trash_limit
 from kcloak.streams.kdelta.w4m import Distance, W4MResult, _align, _Greedy, _pack, _Space, edit_distance, w4m
 from kcloak.streams.publish import anonymization_report, anonymize, publish_rows
 from kcloak.streams.quality import verify_k_delta
-from kcloak.streams.readers import read_fixes
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -351,7 +351,7 @@ def test_real_places_match_the_previous_implementation() -> None:
     """T-Drive places (the bench's table, and one with 2-minute stays so that bags hold several cells)."""
     if not TDRIVE_CSV.exists():
         pytest.skip(f"research data absent: {TDRIVE_CSV}")
-    from kcloak.streams.readers import read_fixes
+    from kcloak.core.readers import read_fixes
     from kcloak.streams.tables import BuildOptions, TableKind, build_from_fixes
 
     fixes = read_fixes(TDRIVE_CSV)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kcloak.cloaking.profile import PROFILE_FIELDS, ReasonCode
+from kcloak.core.profile import PROFILE_FIELDS, ReasonCode
 
 # Every identifier pattern ends in \Z: Python's ``$`` also matches before a final newline, which
 # would make "alice\n" a user id of its own. Use them with ``.match`` or ``.fullmatch``.

@@ -2,7 +2,7 @@
 
 ``bench`` is one command whose benchmarks are sub-subcommands contributed by the modules
 that own the work. A module adds one from its own ``add_parser(subparsers)`` (listed in
-``kcloak.broker.cli``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
+``kcloak.cli.main``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
 whichever module comes first creates the ``bench`` parser.
 """
 
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker.cli import UsageError
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -141,7 +141,7 @@ def parse_algorithms(text: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
     from kcloak.cloaking.bench import CloakBenchConfig
-    from kcloak.cloaking.profile import MAX_AREA_CAP_M2
+    from kcloak.core.profile import MAX_AREA_CAP_M2
 
     if not 1 <= args.k <= 1000:
         raise UsageError("--k: must be within [1, 1000]")
@@ -176,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
 def load_population(args: argparse.Namespace, seed: int) -> Population:
     """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
     from kcloak.cloaking.bench import BenchError, clustered_population, snapshot_population
-    from kcloak.streams.readers import ReaderError, read_fixes
+    from kcloak.core.readers import ReaderError, read_fixes
 
     try:
         if args.data is None:

@@ -24,11 +24,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kcloak.broker.cli import UsageError
 from kcloak.broker.lbs import LbsEngine, LonLatBox
-from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
-from kcloak.cloaking.geometry import EARTH_RADIUS_M, haversine_m_array
-from kcloak.cloaking.places import PoiFileError, PoiSet, load_pois
+from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli.main import UsageError
+from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
+from kcloak.core.places import PoiFileError, PoiSet, load_pois
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]

@@ -18,7 +18,7 @@ from kcloak import __version__
 from kcloak.broker.logs import log_event, setup_logging
 
 if TYPE_CHECKING:
-    from kcloak.cloaking.places import PoiSet
+    from kcloak.core.places import PoiSet
 
 # The server (aiohttp), the POI layer (numpy) and asyncio are imported when the command runs, so
 # that ``kcloak --help`` stays fast.
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the POIs, then serve until SIGINT/SIGTERM."""
     import asyncio
 
-    from kcloak.cloaking.places import PoiFileError, load_pois
+    from kcloak.core.places import PoiFileError, load_pois
 
     host, port = args.http
     setup_logging(args.log_level)
@@ -87,7 +87,7 @@ async def _serve(pois: PoiSet, host: str, port: int) -> int:
     import asyncio
 
     from kcloak.broker.lbs_server import LbsServer
-    from kcloak.broker.serve_cli import settle_gc
+    from kcloak.cli.serve import settle_gc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

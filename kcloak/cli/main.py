@@ -16,19 +16,19 @@ from kcloak import __version__
 
 # Modules that contribute subcommands, in the order ``--help`` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "kcloak.broker.serve_cli",
+    "kcloak.cli.serve",
     "kcloak.broker.mosquitto",
-    "kcloak.cloaking.bench_cli",
-    "kcloak.broker.lbs_cli",
-    "kcloak.broker.lbs_bench",
-    "kcloak.broker.bench_cli",
-    "kcloak.streams.anonymize_cli",
-    "kcloak.streams.bench_cli",
-    "kcloak.cloaking.audit_cli",
-    "kcloak.simulators.demo_cli",
-    "kcloak.simulators.cli",
-    "kcloak.streams.release_cli",
-    "kcloak.streams.bench_release",
+    "kcloak.cli.bench_cloak",
+    "kcloak.cli.lbs",
+    "kcloak.cli.bench_lbs",
+    "kcloak.cli.bench_broker",
+    "kcloak.cli.anonymize",
+    "kcloak.cli.bench_anonymize",
+    "kcloak.cli.audit",
+    "kcloak.cli.demo",
+    "kcloak.cli.simulate",
+    "kcloak.cli.release",
+    "kcloak.cli.bench_release",
 )
 
 
@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under ``python -m kcloak.broker.cli`` this file runs as ``__main__``, a second copy beside the
-    # ``kcloak.broker.cli`` the subcommands import: run the canonical one, so that its UsageError is caught.
-    from kcloak.broker.cli import main as canonical_main
+    # Under ``python -m kcloak.cli.main`` this file runs as ``__main__``, a second copy beside the
+    # ``kcloak.cli.main`` the subcommands import: run the canonical one, so that its UsageError is caught.
+    from kcloak.cli.main import main as canonical_main
 
     raise SystemExit(canonical_main())

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import bench_subparsers
+from kcloak.cli.bench_cloak import bench_subparsers
+from kcloak.cli.main import UsageError
 
 
 def add_parser(subparsers: Any) -> None:

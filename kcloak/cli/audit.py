@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import SPATIAL_ALGORITHMS, phase_progress
+from kcloak.cli.bench_cloak import SPATIAL_ALGORITHMS, phase_progress
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from kcloak.cloaking.audit import AuditReport
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Spelled out so that building the ``kcloak`` parser imports neither numpy nor the attacks; tests
-# check them against kcloak.cloaking.audit (DEFAULT_KS, DEFAULT_SYNTHETIC_USERS) and kcloak.streams.readers.FORMATS.
+# check them against kcloak.cloaking.audit (DEFAULT_KS, DEFAULT_SYNTHETIC_USERS) and kcloak.core.readers.FORMATS.
 DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
 DEFAULT_SYNTHETIC_USERS = 3000
 FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
@@ -113,7 +113,7 @@ def _seed(value: int | None) -> int:
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
     from kcloak.cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
-    from kcloak.streams.readers import ReaderError, read_fixes
+    from kcloak.core.readers import ReaderError, read_fixes
 
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
     ks = _ints(args.k, "--k")
@@ -199,9 +199,9 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kcloak.core.readers import ReaderError, read_fixes
     from kcloak.streams.attacks import LinkageError, audit_trajectories, write_trajectory_figures
     from kcloak.streams.kdelta import KDeltaError
-    from kcloak.streams.readers import ReaderError, read_fixes
 
     if args.k < 1:
         raise UsageError("--k: must be at least 1")

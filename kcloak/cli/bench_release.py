@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -273,9 +273,9 @@ def mondrian_row(n: int, k: int, seed: int) -> BenchRow:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kcloak.cloaking.places import load_pois
     from kcloak.cloaking.tabular import ALGORITHMS
-    from kcloak.streams.readers import FixTable, ReaderError, read_fixes
+    from kcloak.core.places import load_pois
+    from kcloak.core.readers import FixTable, ReaderError, read_fixes
     from kcloak.streams.release import KM_ALGORITHMS
     from kcloak.streams.tables import BuildOptions, TableKind, build_from_fixes
 

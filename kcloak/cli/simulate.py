@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from kcloak.simulators.transport import TransportError
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 # Choices spelled out here so that ``kcloak --help`` imports no simulator module (numpy, scipy);
 # tests check them against kcloak.simulators.bench.MODELS, kcloak.simulators.traffic.QUERY_KINDS and
-# kcloak.streams.readers.FORMATS.
+# kcloak.core.readers.FORMATS.
 MODELS: tuple[str, ...] = ("waypoint", "street", "hotspot")
 QUERY_KINDS: tuple[str, ...] = ("range", "knn", "mix")
 FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")

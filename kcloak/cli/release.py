@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import rich_bar
+from kcloak.cli.bench_cloak import rich_bar
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -147,7 +147,7 @@ def _say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kcloak.cloaking.places import PoiFileError, PoiSet, load_pois
+    from kcloak.core.places import PoiFileError, PoiSet, load_pois
     from kcloak.streams.release import ReleaseError, ReleaseParams, ReleaseUnsatisfiable, check_params, release_table
     from kcloak.streams.tables import BuildOptions, TableError, TableKind, build_table, source_format
 

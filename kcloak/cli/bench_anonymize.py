@@ -8,8 +8,8 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker.cli import UsageError
-from kcloak.cloaking.bench_cli import bench_subparsers, rich_bar
+from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from kcloak.streams.bench import AnonymizeBenchConfig

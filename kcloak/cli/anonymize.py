@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from kcloak import __version__
-from kcloak.broker.cli import UsageError
+from kcloak.cli.main import UsageError
 
 CONTRACT_METHODS = ("nwa", "w4m", "microagg")
 
 # Spelled out so that building the ``kcloak`` parser imports neither numpy nor scipy; tests check
-# them against kcloak.streams.readers.FORMATS and kcloak.streams.kdelta.w4m (DEFAULT_TAU_S, Distance). The
+# them against kcloak.core.readers.FORMATS and kcloak.streams.kdelta.w4m (DEFAULT_TAU_S, Distance). The
 # algorithms are imported when the command runs.
 FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
 DEFAULT_TAU_S = 60.0
@@ -56,9 +56,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from kcloak.core.readers import ReaderError, read_fixes, write_contract_csv
     from kcloak.streams.kdelta import KDeltaError
     from kcloak.streams.publish import METHODS, anonymize
-    from kcloak.streams.readers import ReaderError, read_fixes, write_contract_csv
 
     if args.method not in CONTRACT_METHODS:
         raise UsageError(f"--method: must be one of {', '.join(CONTRACT_METHODS)}")
