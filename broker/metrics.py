@@ -46,7 +46,6 @@ HOLD_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 AREA_BUCKETS = (1e3, 1e4, 5e4, 1e5, 2.5e5, 5e5, 1e6, 2e6, 4e6, 1e7, 1e8, 1e9, 2.5e9)
 RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 CANDIDATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
-QUEUES = ("ingest", "cloak", "hold", "upstream", "store")
 STORES = ("movement", "profiles", "querylog")
 
 

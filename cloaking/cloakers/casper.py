@@ -178,12 +178,6 @@ class CasperArrays:
     kind: I64
     in_cells: I64
 
-    @property
-    def answer_level(self) -> I64:
-        """Level of the answer (the pairs' level for a pair); root level − 1 where ``ok`` is False."""
-        out: I64 = np.where(self.ok, self.level, -1)
-        return out
-
 
 def casper_arrays(
     qt: QuadtreeCounts,
@@ -489,9 +483,6 @@ class AdaptivePyramid:
     def count(self, cell: Cell) -> int:
         """Users in a materialised cell (KeyError for a cell that is not materialised)."""
         return self._nodes[cell].count
-
-    def is_materialised(self, cell: Cell) -> bool:
-        return cell in self._nodes
 
     def leaves(self) -> Iterator[Cell]:
         return (c for c, node in self._nodes.items() if node.users is not None)
