@@ -565,13 +565,13 @@ def _quasi_convex(
 
 def _nearest_v(tree: rtree_index.Index, points: FloatArray, n: int) -> tuple[IntArray, IntArray]:
     """Typed wrapper of rtree's bulk k-nearest query (ties included): ids and per-point counts."""
-    ids, counts = tree.nearest_v(points, points, num_results=n)  # type: ignore[no-untyped-call]
+    ids, counts = tree.nearest_v(points, points, num_results=n)  # type: ignore[no-untyped-call]  # rtree 1.4 leaves it unannotated
     return np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
 
 
 def _intersection_v(tree: rtree_index.Index, mins: FloatArray, maxs: FloatArray) -> tuple[IntArray, IntArray]:
     """Typed wrapper of rtree's bulk box query: ids and per-box counts."""
-    ids, counts = tree.intersection_v(mins, maxs)  # type: ignore[no-untyped-call]
+    ids, counts = tree.intersection_v(mins, maxs)  # type: ignore[no-untyped-call]  # rtree 1.4 leaves it unannotated
     return np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
 
 

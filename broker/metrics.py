@@ -6,26 +6,30 @@ names): never a user id, query id, coordinate or anything a client chose.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
-disable_created_metrics()  # type: ignore[no-untyped-call]
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client 0.26 lacks its "-> None"
 
 
-class _CachedLabels:
+class _CachedLabels(MetricWrapperBase):
     """``labels()`` memoized per label values: prometheus-client validates the values and takes a
-    lock on every call, which costs more than the increment itself on the intake hot path."""
+    lock on every call, which costs more than the increment itself on the intake hot path.
 
-    def labels(self, *values: Any, **named: Any) -> Any:
+    A mixin placed before the metric class (``class Counter(_CachedLabels, prometheus_client.Counter)``),
+    so ``super().labels`` is the metric's own."""
+
+    def labels(self, *values: object, **named: object) -> Self:
         key = values or tuple(named.items())
-        cache: dict[tuple[Any, ...], Any] | None = self.__dict__.get("_children_cache")
+        cache: dict[tuple[object, ...], Self] | None = self.__dict__.get("_children_cache")
         if cache is None:
             cache = self.__dict__["_children_cache"] = {}
         child = cache.get(key)
         if child is None:
-            child = cache[key] = super().labels(*values, **named)  # type: ignore[misc]
+            child = cache[key] = super().labels(*values, **named)
         return child
 
 

@@ -59,7 +59,7 @@ class PositionIndex:
         self.stale_after_s = stale_after_s
         self.default_profile = default_profile
         self._row: dict[str, int] = {}
-        self._ids: list[str | None] = []
+        self._ids: list[str] = []  # "" in a freed row (never read: not alive)
         self._free: list[int] = []
         self._lat: F64 = np.zeros(0)
         self._lon: F64 = np.zeros(0)
@@ -166,7 +166,7 @@ class PositionIndex:
         row = self._row.pop(user, None)
         if row is None:
             return
-        self._ids[row] = None
+        self._ids[row] = ""
         self._alive[row] = False
         self._t[row] = -np.inf
         self._free.append(row)
@@ -198,7 +198,7 @@ class PositionIndex:
         rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
         ids = self._ids
         return IndexView(
-            user_ids=[ids[r] for r in rows.tolist()],  # type: ignore[misc]
+            user_ids=[ids[r] for r in rows.tolist()],
             lat=self._lat[rows],
             lon=self._lon[rows],
             t=self._t[rows],
@@ -331,7 +331,8 @@ class IndexView:
 
     @cached_property
     def _morton_sorted(self) -> list[int]:
-        return np.sort(self.morton).tolist()  # type: ignore[no-any-return]
+        codes: list[int] = np.sort(self.morton).tolist()
+        return codes
 
     def count_cell(self, level: int, cx: int, cy: int) -> int:
         """Users whose grid position falls in a cell (half-open). O(log n)."""

@@ -268,9 +268,9 @@ def leaf_levels(view: IndexView, root: Root, deepest: int, tie_h: bool) -> I64:
     with max(s_w) over its cell ≤ ℓ (or the depth limit). Rows outside the root get −1.
     """
     key = ("kcloak.casper.leaves", root, deepest, tie_h)
-    cached = view.cache.get(key)
+    cached: I64 | None = view.cache.get(key)
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
     qt = QuadtreeCounts.of(view)
     n = qt.n
     root_level, rcx, rcy = root
