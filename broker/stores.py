@@ -231,7 +231,7 @@ class GroupCommitWriter:
         insert_sql: str,
         *,
         capacity: int,
-        on_commit: Any = None,
+        on_commit: Callable[[float], None] | None = None,
         name: str = "store",
         linger_s: float = 0.002,
         health: WriteHealth | None = None,
@@ -384,7 +384,12 @@ class MovementStore:
     INSERT = FIXES.insert_sql(conflict="IGNORE")
 
     def __init__(
-        self, path: Path, *, capacity: int = 200_000, on_commit: Any = None, health: WriteHealth | None = None
+        self,
+        path: Path,
+        *,
+        capacity: int = 200_000,
+        on_commit: Callable[[float], None] | None = None,
+        health: WriteHealth | None = None,
     ) -> None:
         self.path = path
         self._conn = open_db(path, MOVEMENT_FILE)
@@ -450,7 +455,12 @@ class QueryLog:
     INSERT = FORWARDED.insert_sql()
 
     def __init__(
-        self, path: Path, *, capacity: int = 100_000, on_commit: Any = None, health: WriteHealth | None = None
+        self,
+        path: Path,
+        *,
+        capacity: int = 100_000,
+        on_commit: Callable[[float], None] | None = None,
+        health: WriteHealth | None = None,
     ) -> None:
         self._conn = open_db(path, QUERYLOG_FILE)
         self.writer = GroupCommitWriter(
