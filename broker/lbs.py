@@ -126,71 +126,6 @@ def slack_m(bound_m: npt.ArrayLike) -> FloatArray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure planar bound functions of §5.3 (the worked example `casper_nn`; the production engine
-# below applies the same bounds on the sphere).
-
-
-def lipschitz_bound(g_i: float, g_j: float, length: float) -> float:
-    """Bound of the ``n``-th NN distance along an edge from its vertex values (§5.3, any ``n``)."""
-    return (g_i + g_j + length) / 2
-
-
-def planar_casper_bound(
-    v_i: tuple[float, float], v_j: tuple[float, float], t_i: tuple[float, float], t_j: tuple[float, float]
-) -> float:
-    """Casper's ``n = 1`` edge bound in the plane: filters ``t_i``, ``t_j`` and the middle point (§5.3)."""
-    cands = [math.dist(v_i, t_i), math.dist(v_j, t_j)]
-    if t_i != t_j:
-        # Solve |q - t_i| = |q - t_j| for q = v_i + s (v_j - v_i): linear in s.
-        ex, ey = v_j[0] - v_i[0], v_j[1] - v_i[1]
-        wx, wy = t_i[0] - t_j[0], t_i[1] - t_j[1]
-        denom = 2 * (ex * wx + ey * wy)
-        num = (t_i[0] ** 2 + t_i[1] ** 2 - t_j[0] ** 2 - t_j[1] ** 2) - 2 * (v_i[0] * wx + v_i[1] * wy)
-        if denom != 0:
-            s = num / denom
-            if 0 <= s <= 1:
-                m = (v_i[0] + s * ex, v_i[1] + s * ey)
-                cands.append(math.dist(m, t_i))
-    return max(cands)
-
-
-def _planar_segment_dist(p: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
-    ex, ey = b[0] - a[0], b[1] - a[1]
-    ll = ex * ex + ey * ey
-    s = 0.0 if ll == 0 else min(max(((p[0] - a[0]) * ex + (p[1] - a[1]) * ey) / ll, 0.0), 1.0)
-    return math.dist(p, (a[0] + s * ex, a[1] + s * ey))
-
-
-def planar_knn_candidates(
-    rect: tuple[float, float, float, float], points: Sequence[tuple[float, float]], n: int
-) -> set[int]:
-    """§5.3 ``knn_candidates`` in the plane, verbatim (one stadium per edge); indices into ``points``."""
-    x0, y0, x1, y1 = rect
-    if len(points) <= n:
-        return set(range(len(points)))
-    verts = [(x0, y0), (x1, y0), (x1, y1), (x0, y1)]
-
-    def nearest(v: tuple[float, float]) -> list[int]:
-        return sorted(range(len(points)), key=lambda i: (math.dist(v, points[i]), i))
-
-    order = {v: nearest(v) for v in verts}
-    f = {v: math.dist(v, points[order[v][n - 1]]) for v in verts}
-    bounds: list[tuple[tuple[float, float], tuple[float, float], float]] = []
-    for vi, vj in zip(verts, verts[1:] + verts[:1], strict=True):
-        if n == 1:
-            d = planar_casper_bound(vi, vj, points[order[vi][0]], points[order[vj][0]])
-        else:
-            d = lipschitz_bound(f[vi], f[vj], math.dist(vi, vj))
-        bounds.append((vi, vj, d))
-    out: set[int] = set()
-    for i, p in enumerate(points):
-        inside = x0 <= p[0] <= x1 and y0 <= p[1] <= y1
-        if inside or any(_planar_segment_dist(p, a, b) <= d for a, b, d in bounds):
-            out.add(i)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Spherical geometry on radians (vectorized).
 
 
@@ -630,13 +565,13 @@ def _quasi_convex(
 
 def _nearest_v(tree: rtree_index.Index, points: FloatArray, n: int) -> tuple[IntArray, IntArray]:
     """Typed wrapper of rtree's bulk k-nearest query (ties included): ids and per-point counts."""
-    ids, counts = tree.nearest_v(points, points, num_results=n)  # type: ignore[no-untyped-call]
+    ids, counts = tree.nearest_v(points, points, num_results=n)  # type: ignore[no-untyped-call]  # rtree 1.4 leaves it unannotated
     return np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
 
 
 def _intersection_v(tree: rtree_index.Index, mins: FloatArray, maxs: FloatArray) -> tuple[IntArray, IntArray]:
     """Typed wrapper of rtree's bulk box query: ids and per-box counts."""
-    ids, counts = tree.intersection_v(mins, maxs)  # type: ignore[no-untyped-call]
+    ids, counts = tree.intersection_v(mins, maxs)  # type: ignore[no-untyped-call]  # rtree 1.4 leaves it unannotated
     return np.asarray(ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
 
 

@@ -6,26 +6,30 @@ names): never a user id, query id, coordinate or anything a client chose.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
-disable_created_metrics()  # type: ignore[no-untyped-call]
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client 0.26 lacks its "-> None"
 
 
-class _CachedLabels:
+class _CachedLabels(MetricWrapperBase):
     """``labels()`` memoized per label values: prometheus-client validates the values and takes a
-    lock on every call, which costs more than the increment itself on the intake hot path."""
+    lock on every call, which costs more than the increment itself on the intake hot path.
 
-    def labels(self, *values: Any, **named: Any) -> Any:
+    A mixin placed before the metric class (``class Counter(_CachedLabels, prometheus_client.Counter)``),
+    so ``super().labels`` is the metric's own."""
+
+    def labels(self, *values: object, **named: object) -> Self:
         key = values or tuple(named.items())
-        cache: dict[tuple[Any, ...], Any] | None = self.__dict__.get("_children_cache")
+        cache: dict[tuple[object, ...], Self] | None = self.__dict__.get("_children_cache")
         if cache is None:
             cache = self.__dict__["_children_cache"] = {}
         child = cache.get(key)
         if child is None:
-            child = cache[key] = super().labels(*values, **named)  # type: ignore[misc]
+            child = cache[key] = super().labels(*values, **named)
         return child
 
 
@@ -46,7 +50,6 @@ HOLD_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 AREA_BUCKETS = (1e3, 1e4, 5e4, 1e5, 2.5e5, 5e5, 1e6, 2e6, 4e6, 1e7, 1e8, 1e9, 2.5e9)
 RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 CANDIDATE_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
-QUEUES = ("ingest", "cloak", "hold", "upstream", "store")
 STORES = ("movement", "profiles", "querylog")
 
 

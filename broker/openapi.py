@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from kcloak import __version__
 
 _NUM = {"type": "number"}
+_LAT = {"type": "number", "minimum": -90, "maximum": 90}
+_LON = {"type": "number", "minimum": -180, "maximum": 180}
+_SESSION_ID = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
 _FIX = {
     "type": "object",
     "additionalProperties": False,
     "required": ["t", "lat", "lon"],
-    "properties": {
-        "t": {"type": "number", "description": "Unix seconds UTC"},
-        "lat": {"type": "number", "minimum": -90, "maximum": 90},
-        "lon": {"type": "number", "minimum": -180, "maximum": 180},
-    },
+    "properties": {"t": {"type": "number", "description": "Unix seconds UTC"}, "lat": _LAT, "lon": _LON},
 }
 _PROFILE = {
     "type": "object",
@@ -28,25 +27,21 @@ _PROFILE = {
         "max_delay_s": {"type": "number", "minimum": 0, "maximum": 600},
     },
 }
-_QUERY = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["query_id"],
-    "properties": {
-        "query_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
-        "kind": {"enum": ["range", "knn"]},
-        "radius_m": {"type": "number", "exclusiveMinimum": 0, "maximum": 50000},
-        "n": {"type": "integer", "minimum": 1, "maximum": 100},
-        "category": {"type": "string", "minLength": 1, "maxLength": 64},
-        "lat": _FIX["properties"]["lat"],  # type: ignore[index]
-        "lon": _FIX["properties"]["lon"],  # type: ignore[index]
-        "t": _NUM,
-        "profile": _PROFILE,
-        "continuous": {"type": "boolean"},
-        "session_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
-        "stop": {"type": "boolean"},
-    },
+_QUERY_PROPERTIES: dict[str, object] = {
+    "query_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
+    "kind": {"enum": ["range", "knn"]},
+    "radius_m": {"type": "number", "exclusiveMinimum": 0, "maximum": 50000},
+    "n": {"type": "integer", "minimum": 1, "maximum": 100},
+    "category": {"type": "string", "minLength": 1, "maxLength": 64},
+    "lat": _LAT,
+    "lon": _LON,
+    "t": _NUM,
+    "profile": _PROFILE,
+    "continuous": {"type": "boolean"},
+    "session_id": _SESSION_ID,
+    "stop": {"type": "boolean"},
 }
+_QUERY = {"type": "object", "additionalProperties": False, "required": ["query_id"], "properties": _QUERY_PROPERTIES}
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -68,7 +63,7 @@ _SESSION = {
     "type": "object",
     "required": ["session_id", "state", "kind", "category", "started_t", "last_refresh_t", "expires_t", "refreshes"],
     "properties": {
-        "session_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+        "session_id": _SESSION_ID,
         "state": _SESSION_STATE,
         "kind": {"enum": ["range", "knn"]},
         "radius_m": _NUM,
@@ -83,17 +78,17 @@ _SESSION = {
 _SESSION_BRIEF = {
     "type": "object",
     "required": ["session_id", "state"],
-    "properties": {"session_id": _SESSION["properties"]["session_id"], "state": _SESSION_STATE, "expires_t": _NUM},  # type: ignore[index]
+    "properties": {"session_id": _SESSION_ID, "state": _SESSION_STATE, "expires_t": _NUM},
 }
 _START = {
     **_QUERY,
-    "properties": {k: v for k, v in _QUERY["properties"].items() if k not in ("continuous", "session_id", "stop")},  # type: ignore[attr-defined]
+    "properties": {k: v for k, v in _QUERY_PROPERTIES.items() if k not in ("continuous", "session_id", "stop")},
 }
 _REFRESH = {
     "type": "object",
     "additionalProperties": False,
     "required": ["query_id"],
-    "properties": {k: _QUERY["properties"][k] for k in ("query_id", "lat", "lon", "t")},  # type: ignore[index]
+    "properties": {k: _QUERY_PROPERTIES[k] for k in ("query_id", "lat", "lon", "t")},
 }
 _ANSWER = {
     "type": "object",
@@ -116,28 +111,29 @@ _ANSWER = {
 }
 
 
+_WINDOW_META_PROPERTIES: dict[str, object] = {
+    "window_id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
+    "t_start": {"type": "integer"},
+    "t_end": {"type": "integer"},
+    "method": {"type": "string"},
+    "k": {"type": "integer"},
+    "delta": _NUM,
+    "n_in": {"type": "integer"},
+    "n_out": {"type": "integer"},
+    "published_t": _NUM,
+    "status": {"enum": ["published", "empty"]},
+    "csv": {"type": "string"},
+}
 _WINDOW_META = {
     "type": "object",
     "required": ["window_id", "t_start", "t_end", "method", "k", "delta", "n_in", "n_out", "published_t", "csv"],
-    "properties": {
-        "window_id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
-        "t_start": {"type": "integer"},
-        "t_end": {"type": "integer"},
-        "method": {"type": "string"},
-        "k": {"type": "integer"},
-        "delta": _NUM,
-        "n_in": {"type": "integer"},
-        "n_out": {"type": "integer"},
-        "published_t": _NUM,
-        "status": {"enum": ["published", "empty"]},
-        "csv": {"type": "string"},
-    },
+    "properties": _WINDOW_META_PROPERTIES,
 }
 _WINDOW_REPORT = {
     "type": "object",
     "required": ["window_id", "t_start", "t_end", "published_t", "status", "method", "k", "delta", "n_in", "n_out"],
     "properties": {
-        **_WINDOW_META["properties"],  # type: ignore[dict-item]
+        **_WINDOW_META_PROPERTIES,
         "kcloak_version": {"type": "string"},
         "seed": {"type": ["integer", "null"]},
         "trash_max": _NUM,
@@ -160,7 +156,7 @@ _WINDOW_REPORT = {
 }
 
 
-def _windows_op() -> dict[str, Any]:
+def _windows_op() -> dict[str, object]:
     op = _op(
         "List published windows (ascending t_start)",
         ok={
@@ -179,17 +175,28 @@ def _windows_op() -> dict[str, Any]:
     return op
 
 
-def _csv_op() -> dict[str, Any]:
-    op = _op("A published window's file (contract CSV traj_id,t,lat,lon)")
-    op["responses"]["200"] = {"description": "the window file", "content": {"text/csv": {"schema": {"type": "string"}}}}
-    return op
+def _csv_op() -> dict[str, object]:
+    return _op(
+        "A published window's file (contract CSV traj_id,t,lat,lon)",
+        ok_response={"description": "the window file", "content": {"text/csv": {"schema": {"type": "string"}}}},
+    )
 
 
-def _op(summary: str, body: dict[str, Any] | None = None, ok: dict[str, Any] | None = None) -> dict[str, Any]:
-    op: dict[str, Any] = {
+def _op(
+    summary: str,
+    body: Mapping[str, object] | None = None,
+    ok: Mapping[str, object] | None = None,
+    *,
+    ok_response: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """An operation: JSON ``body`` (if any), ``ok`` the JSON schema of its 200 answer (or a whole
+    ``ok_response`` for other media types), errors in the contract's error object."""
+    if ok_response is None:
+        ok_response = {"description": "success", "content": {"application/json": {"schema": ok or {"type": "object"}}}}
+    op: dict[str, object] = {
         "summary": summary,
         "responses": {
-            "200": {"description": "success", "content": {"application/json": {"schema": ok or {"type": "object"}}}},
+            "200": ok_response,
             "default": {"description": "error", "content": {"application/json": {"schema": _ERROR}}},
         },
     }
@@ -198,7 +205,7 @@ def _op(summary: str, body: dict[str, Any] | None = None, ok: dict[str, Any] | N
     return op
 
 
-def broker_openapi() -> dict[str, Any]:
+def broker_openapi() -> dict[str, object]:
     batch = {
         "type": "object",
         "additionalProperties": False,

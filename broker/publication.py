@@ -58,6 +58,7 @@ from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
 from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
+from kcloak.core.schemas import FIXES, WINDOWS, WindowState
 from kcloak.streams.publish import METHODS, Release, anonymize
 from kcloak.wire.mqtt_client import MqttIntakeError
 
@@ -83,13 +84,6 @@ Send = Callable[[str, bytes], Awaitable[None]]
 
 class PublicationError(RuntimeError):
     """Publication cannot run with this configuration (e.g. a method this version lacks)."""
-
-
-class WindowState(StrEnum):
-    """State of a window in ``movement.sqlite3`` (contract §11)."""
-
-    COMMITTED = "committed"
-    SENT = "sent"
 
 
 class WindowStatus(StrEnum):
@@ -154,21 +148,24 @@ class WindowLedger:
 
     async def commit(self, window: Window, *, n_in: int, n_out: int, t: float) -> None:
         await self._writer.execute(
-            "INSERT OR REPLACE INTO windows VALUES (?, ?, ?, 'committed', ?, ?, ?, NULL)",
-            (window.window_id, window.t_start, window.t_end, n_in, n_out, t),
+            _WINDOW_PUT,
+            (window.window_id, window.t_start, window.t_end, WindowState.COMMITTED.value, n_in, n_out, t, None),
         )
 
     async def mark_sent(self, window_id: str, t: float) -> None:
-        await self._writer.execute("UPDATE windows SET state = 'sent', sent_t = ? WHERE window_id = ?", (t, window_id))
+        await self._writer.execute(
+            f"UPDATE {WINDOWS.name} SET state = ?, sent_t = ? WHERE window_id = ?",
+            (WindowState.SENT.value, t, window_id),
+        )
 
     def get(self, window_id: str) -> WindowRecord | None:
         with self._lock:
-            row = self._conn.execute("SELECT * FROM windows WHERE window_id = ?", (window_id,)).fetchone()
+            row = self._conn.execute(WINDOWS.select_sql(where="window_id = ?"), (window_id,)).fetchone()
         return None if row is None else _record(row)
 
     def records(self, *, since: int = 0, limit: int = 100, state: WindowState | None = None) -> list[WindowRecord]:
         """Windows with ``t_start ≥ since``, ascending ``t_start``, at most ``limit``."""
-        sql = "SELECT * FROM windows WHERE t_start >= ?"
+        sql = WINDOWS.select_sql(where="t_start >= ?")
         args: list[Any] = [since]
         if state is not None:
             sql += " AND state = ?"
@@ -179,12 +176,12 @@ class WindowLedger:
 
     def latest_end(self) -> int | None:
         with self._lock:
-            row = self._conn.execute("SELECT MAX(t_end) FROM windows").fetchone()
+            row = self._conn.execute(f"SELECT MAX(t_end) FROM {WINDOWS.name}").fetchone()
         return None if row[0] is None else int(row[0])
 
     def first_fix_at_or_after(self, t: float) -> float | None:
         with self._lock:
-            row = self._conn.execute("SELECT MIN(t) FROM fixes WHERE t >= ?", (t,)).fetchone()
+            row = self._conn.execute(f"SELECT MIN(t) FROM {FIXES.name} WHERE t >= ?", (t,)).fetchone()
         return None if row[0] is None else float(row[0])
 
 
@@ -208,8 +205,22 @@ def _stop_worker(worker: concurrent.futures.ProcessPoolExecutor, grace_s: float 
             process.kill()
 
 
+_WINDOW_PUT = WINDOWS.insert_sql(conflict="REPLACE")
+
+
 def _record(row: tuple[Any, ...]) -> WindowRecord:
-    return WindowRecord(row[0], int(row[1]), int(row[2]), WindowState(row[3]), int(row[4]), int(row[5]), row[6], row[7])
+    """A ``windows`` row (every column, in :data:`WINDOWS` order) as a :class:`WindowRecord`."""
+    r = dict(zip(WINDOWS.column_names, row, strict=True))
+    return WindowRecord(
+        window_id=r["window_id"],
+        t_start=int(r["t_start"]),
+        t_end=int(r["t_end"]),
+        state=WindowState(r["state"]),
+        n_in=int(r["n_in"]),
+        n_out=int(r["n_out"]),
+        committed_t=r["committed_t"],
+        sent_t=r["sent_t"],
+    )
 
 
 def _fsync_write(path: Path, data: bytes | None = None) -> None:

@@ -28,10 +28,6 @@ class TokenBuckets:
             self._prune(now)
         return True
 
-    def retry_after_s(self, key: str) -> int:
-        tokens, _ = self._state.get(key, (self.burst, 0.0))
-        return max(1, int((1 - tokens) / self.rate + 0.999)) if self.rate > 0 else 60
-
     def _prune(self, now: float) -> None:
         full_after = self.burst / self.rate if self.rate > 0 else float("inf")
         for key in [k for k, (_, last) in self._state.items() if now - last > full_after]:

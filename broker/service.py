@@ -23,9 +23,10 @@ from kcloak.broker.config import Config, parse_listen
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
-from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
+from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
 from kcloak.broker.upstream import UpstreamClient
 from kcloak.core.places import PlacesLayer, load_pois
+from kcloak.core.schemas import MOVEMENT_FILE, PROFILES_FILE, QUERYLOG_FILE
 
 if TYPE_CHECKING:
     from kcloak.broker.publication import WindowPublisher
@@ -79,22 +80,25 @@ class Broker:
             raise StartupError(str(exc)) from None
         health = {name: WriteHealth(name, self.metrics.store_write) for name in ("movement", "profiles", "querylog")}
         self.state["stores"] = list(health.values())  # /healthz: degraded while a store cannot write
-        profiles = ProfileStore(data.file("profiles.sqlite3"), health=health["profiles"])
-        self._stack.callback(profiles.close)
         store_hist = self.metrics.store_commit
-        movement = MovementStore(
-            data.file("movement.sqlite3"),
-            capacity=cfg.queues.store,
-            on_commit=store_hist.labels(store="movement").observe,
-            health=health["movement"],
-        )
-        self._stack.push_async_callback(asyncio.to_thread, movement.close)
-        querylog = QueryLog(
-            data.file("querylog.sqlite3"),
-            on_commit=store_hist.labels(store="querylog").observe,
-            health=health["querylog"],
-        )
-        self._stack.push_async_callback(asyncio.to_thread, querylog.close)
+        try:  # a file that cannot be opened (e.g. of another schema version) is a startup failure
+            profiles = ProfileStore(data.file(PROFILES_FILE.filename), health=health["profiles"])
+            self._stack.callback(profiles.close)
+            movement = MovementStore(
+                data.file(MOVEMENT_FILE.filename),
+                capacity=cfg.queues.store,
+                on_commit=store_hist.labels(store="movement").observe,
+                health=health["movement"],
+            )
+            self._stack.push_async_callback(asyncio.to_thread, movement.close)
+            querylog = QueryLog(
+                data.file(QUERYLOG_FILE.filename),
+                on_commit=store_hist.labels(store="querylog").observe,
+                health=health["querylog"],
+            )
+            self._stack.push_async_callback(asyncio.to_thread, querylog.close)
+        except StoreError as exc:
+            raise StartupError(str(exc)) from None
         token = None
         if cfg.upstream.token_file:
             token = Path(cfg.upstream.token_file).read_text(encoding="utf-8").strip()

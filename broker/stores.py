@@ -1,9 +1,10 @@
 """Durable stores in the data directory (contract §11): profiles, movement, query log.
 
-SQLite files in WAL mode, ``PRAGMA user_version = 1``, readable by other processes while the
-broker runs. Writes to the movement store and the query log go through one writer thread per
-database that **group-commits**: callers enqueue rows and await a future that resolves only
-after the transaction holding them has committed, so an accepted fix survives ``kill -9``.
+SQLite files in WAL mode, readable by other processes while the broker runs; their schemas
+(tables, columns, version) are defined once in :mod:`kcloak.core.schemas`. Writes to the
+movement store and the query log go through one writer thread per database that
+**group-commits**: callers enqueue rows and await a future that resolves only after the
+transaction holding them has committed, so an accepted fix survives ``kill -9``.
 """
 
 from __future__ import annotations
@@ -23,28 +24,16 @@ from types import TracebackType
 from typing import Any
 
 from kcloak.core.profile import PrivacyProfile
-
-SCHEMA_VERSION = 1
-
-PROFILES_SQL = """
-CREATE TABLE IF NOT EXISTS profiles(
-    user_id TEXT PRIMARY KEY, k INTEGER, l INTEGER, min_area_m2 REAL, max_area_m2 REAL,
-    max_delay_s REAL, updated_t REAL)
-"""
-MOVEMENT_SQL = """
-CREATE TABLE IF NOT EXISTS fixes(user_id TEXT, t REAL, lat REAL, lon REAL, PRIMARY KEY (user_id, t));
-CREATE INDEX IF NOT EXISTS fixes_t ON fixes(t);
-CREATE TABLE IF NOT EXISTS windows(
-    window_id TEXT PRIMARY KEY, t_start INTEGER, t_end INTEGER,
-    state TEXT CHECK (state IN ('committed','sent')), n_in INTEGER, n_out INTEGER,
-    committed_t REAL, sent_t REAL);
-"""
-QUERYLOG_SQL = """
-CREATE TABLE IF NOT EXISTS forwarded(
-    t REAL, kind TEXT, radius_m REAL, n INTEGER, category TEXT, min_lon REAL, min_lat REAL,
-    max_lon REAL, max_lat REAL, t_start REAL, t_end REAL, area_m2 REAL, k_achieved INTEGER,
-    algorithm TEXT, outcome TEXT CHECK (outcome IN ('ok','upstream_error')))
-"""
+from kcloak.core.schemas import (
+    FIXES,
+    FORWARDED,
+    MOVEMENT_FILE,
+    PROFILES,
+    PROFILES_FILE,
+    QUERYLOG_FILE,
+    SchemaVersionError,
+    SqliteFile,
+)
 
 
 class StoreError(RuntimeError):
@@ -81,18 +70,24 @@ class WriteHealth:
             self._listener(self.store, ok)
 
 
-def open_db(path: Path, schema: str) -> sqlite3.Connection:
-    """Open (creating if needed) a WAL-mode SQLite database with the contract's version."""
+def open_db(path: Path, schema: SqliteFile) -> sqlite3.Connection:
+    """Open (creating if needed) a WAL-mode SQLite database of ``schema``, marked with its version.
+
+    A file of another schema version is refused (:class:`StoreError`) before anything is written."""
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=5000")
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version not in (0, SCHEMA_VERSION):
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        version = schema.check_version(conn)
+        conn.executescript(schema.create_script())
+        conn.execute(f"PRAGMA user_version={version}")
+    except SchemaVersionError as exc:
         conn.close()
-        raise StoreError(f"{path.name}: unsupported schema version {version}")
-    conn.executescript(schema)
-    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        raise StoreError(str(exc)) from None
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -150,12 +145,22 @@ class StoredProfile:
     updated_t: float
 
 
+_PROFILE_PUT = PROFILES.insert_sql(conflict="REPLACE")
+_PROFILE_BY_USER = PROFILES.select_sql(where="user_id = ?")
+
+
+def _stored_profile(row: Sequence[Any]) -> tuple[str, StoredProfile]:
+    """A ``profiles`` row (every column, in :data:`PROFILES` order) as ``(user_id, StoredProfile)``."""
+    user, k, l_div, min_area, max_area, max_delay, updated_t = row
+    return user, StoredProfile(PrivacyProfile(int(k), int(l_div), min_area, max_area, max_delay), updated_t)
+
+
 class ProfileStore:
     """``profiles.sqlite3``: at most one stored profile per user. Small synchronous writes; a
     write that fails raises :class:`StoreError` and is reported to ``health``."""
 
     def __init__(self, path: Path, *, health: WriteHealth | None = None) -> None:
-        self._conn = open_db(path, PROFILES_SQL)
+        self._conn = open_db(path, PROFILES_FILE)
         self._lock = threading.Lock()
         self.health = health if health is not None else WriteHealth("profiles")
 
@@ -165,22 +170,17 @@ class ProfileStore:
 
     def get(self, user: str) -> StoredProfile | None:
         with self._lock:
-            row = self._conn.execute(
-                "SELECT k, l, min_area_m2, max_area_m2, max_delay_s, updated_t FROM profiles WHERE user_id = ?",
-                (user,),
-            ).fetchone()
-        if row is None:
-            return None
-        return StoredProfile(PrivacyProfile(int(row[0]), int(row[1]), row[2], row[3], row[4]), row[5])
+            row = self._conn.execute(_PROFILE_BY_USER, (user,)).fetchone()
+        return None if row is None else _stored_profile(row)[1]
 
     def put(self, user: str, profile: PrivacyProfile, t: float) -> None:
         self._write(
-            "INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?, ?, ?)",
+            _PROFILE_PUT,
             (user, profile.k, profile.l, profile.min_area_m2, profile.max_area_m2, profile.max_delay_s, t),
         )
 
     def delete(self, user: str) -> None:
-        self._write("DELETE FROM profiles WHERE user_id = ?", (user,))
+        self._write(f"DELETE FROM {PROFILES.name} WHERE user_id = ?", (user,))
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> None:
         with self._lock:
@@ -194,10 +194,8 @@ class ProfileStore:
 
     def all(self) -> list[tuple[str, StoredProfile]]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT user_id, k, l, min_area_m2, max_area_m2, max_delay_s, updated_t FROM profiles"
-            ).fetchall()
-        return [(r[0], StoredProfile(PrivacyProfile(int(r[1]), int(r[2]), r[3], r[4], r[5]), r[6])) for r in rows]
+            rows = self._conn.execute(PROFILES.select_sql()).fetchall()
+        return [_stored_profile(r) for r in rows]
 
 
 class _Batch:
@@ -233,7 +231,7 @@ class GroupCommitWriter:
         insert_sql: str,
         *,
         capacity: int,
-        on_commit: Any = None,
+        on_commit: Callable[[float], None] | None = None,
         name: str = "store",
         linger_s: float = 0.002,
         health: WriteHealth | None = None,
@@ -383,13 +381,18 @@ def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
 class MovementStore:
     """``movement.sqlite3``: every accepted fix (the write-ahead history) and window states."""
 
-    INSERT = "INSERT OR IGNORE INTO fixes(user_id, t, lat, lon) VALUES (?, ?, ?, ?)"
+    INSERT = FIXES.insert_sql(conflict="IGNORE")
 
     def __init__(
-        self, path: Path, *, capacity: int = 200_000, on_commit: Any = None, health: WriteHealth | None = None
+        self,
+        path: Path,
+        *,
+        capacity: int = 200_000,
+        on_commit: Callable[[float], None] | None = None,
+        health: WriteHealth | None = None,
     ) -> None:
         self.path = path
-        self._conn = open_db(path, MOVEMENT_SQL)
+        self._conn = open_db(path, MOVEMENT_FILE)
         self._read = sqlite3.connect(path, check_same_thread=False)
         self._read_lock = threading.Lock()
         self.writer = GroupCommitWriter(
@@ -419,14 +422,14 @@ class MovementStore:
         """Fixes with ``t0 ≤ t < t1``, ordered by user then time."""
         with self._read_lock:
             return self._read.execute(
-                "SELECT user_id, t, lat, lon FROM fixes WHERE t >= ? AND t < ? ORDER BY user_id, t", (t0, t1)
+                FIXES.select_sql(where="t >= ? AND t < ?", order_by="user_id, t"), (t0, t1)
             ).fetchall()
 
     def latest_per_user(self, since: float) -> list[tuple[str, float, float, float]]:
         """The latest fix of every user with a fix at or after ``since`` (restores the index)."""
         with self._read_lock:
             return self._read.execute(
-                "SELECT user_id, MAX(t), lat, lon FROM fixes WHERE t >= ? GROUP BY user_id", (since,)
+                f"SELECT user_id, MAX(t), lat, lon FROM {FIXES.name} WHERE t >= ? GROUP BY user_id", (since,)
             ).fetchall()
 
     async def delete_older_than(self, t: float, *, keep_from: float | None = None, chunk: int = 20_000) -> int:
@@ -438,7 +441,8 @@ class MovementStore:
         total = 0
         while True:
             n = await self.writer.execute(
-                "DELETE FROM fixes WHERE rowid IN (SELECT rowid FROM fixes WHERE t < ? LIMIT ?)", (cutoff, chunk)
+                f"DELETE FROM {FIXES.name} WHERE rowid IN (SELECT rowid FROM {FIXES.name} WHERE t < ? LIMIT ?)",
+                (cutoff, chunk),
             )
             total += n
             if n < chunk:
@@ -448,12 +452,17 @@ class MovementStore:
 class QueryLog:
     """``querylog.sqlite3``: one row per forwarded query; no user id, query id or pseudonym."""
 
-    INSERT = "INSERT INTO forwarded VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    INSERT = FORWARDED.insert_sql()
 
     def __init__(
-        self, path: Path, *, capacity: int = 100_000, on_commit: Any = None, health: WriteHealth | None = None
+        self,
+        path: Path,
+        *,
+        capacity: int = 100_000,
+        on_commit: Callable[[float], None] | None = None,
+        health: WriteHealth | None = None,
     ) -> None:
-        self._conn = open_db(path, QUERYLOG_SQL)
+        self._conn = open_db(path, QUERYLOG_FILE)
         self.writer = GroupCommitWriter(
             self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="querylog", health=health
         )

@@ -69,11 +69,3 @@ def cell_udeg(level: int, cx: int, cy: int) -> tuple[int, int, int, int]:
     lon0 = (cx << s) - GRID_OFFSET
     lat0 = (cy << s) - GRID_OFFSET
     return lon0, lat0, lon0 + (1 << s), lat0 + (1 << s)
-
-
-def level_for_size(size_udeg: float) -> int:
-    """Deepest level whose cells are at least ``size_udeg`` wide."""
-    if size_udeg <= 1:
-        return MAX_LEVEL
-    lvl = GRID_BITS - int(np.ceil(np.log2(size_udeg)))
-    return max(0, min(MAX_LEVEL, lvl))

@@ -19,12 +19,11 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
-from kcloak.cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
+from kcloak.cloaking.grid import cell_code_range, cell_udeg, grid_coords, morton_codes
 from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
     BBox,
-    coordinate_key,
     coordinate_keys,
     key_bounds_array,
 )
@@ -34,10 +33,6 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
 _DEFAULT = PrivacyProfile()
-
-
-class IndexError_(KeyError):
-    """Unknown user in the position index."""
 
 
 class PositionIndex:
@@ -64,7 +59,7 @@ class PositionIndex:
         self.stale_after_s = stale_after_s
         self.default_profile = default_profile
         self._row: dict[str, int] = {}
-        self._ids: list[str | None] = []
+        self._ids: list[str] = []  # "" in a freed row (never read: not alive)
         self._free: list[int] = []
         self._lat: F64 = np.zeros(0)
         self._lon: F64 = np.zeros(0)
@@ -171,7 +166,7 @@ class PositionIndex:
         row = self._row.pop(user, None)
         if row is None:
             return
-        self._ids[row] = None
+        self._ids[row] = ""
         self._alive[row] = False
         self._t[row] = -np.inf
         self._free.append(row)
@@ -203,7 +198,7 @@ class PositionIndex:
         rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
         ids = self._ids
         return IndexView(
-            user_ids=[ids[r] for r in rows.tolist()],  # type: ignore[misc]
+            user_ids=[ids[r] for r in rows.tolist()],
             lat=self._lat[rows],
             lon=self._lon[rows],
             t=self._t[rows],
@@ -306,9 +301,6 @@ class IndexView:
     def row(self, user: str) -> int | None:
         return self.row_of.get(user)
 
-    def stored_profile_k(self, row: int) -> int:
-        return int(self.k[row])
-
     # -- exact coordinates -------------------------------------------------------------------
     @cached_property
     def lon_key(self) -> I64:
@@ -339,28 +331,14 @@ class IndexView:
 
     @cached_property
     def _morton_sorted(self) -> list[int]:
-        return np.sort(self.morton).tolist()  # type: ignore[no-any-return]
-
-    @cached_property
-    def morton_sorted(self) -> npt.NDArray[np.uint64]:
-        """Sorted Morton codes (for vectorized cell counts with ``searchsorted``)."""
-        return np.sort(self.morton)
+        codes: list[int] = np.sort(self.morton).tolist()
+        return codes
 
     def count_cell(self, level: int, cx: int, cy: int) -> int:
         """Users whose grid position falls in a cell (half-open). O(log n)."""
         lo, hi = cell_code_range(level, cx, cy)
         codes = self._morton_sorted
         return bisect.bisect_left(codes, hi) - bisect.bisect_left(codes, lo)
-
-    def count_cells(self, level: int, cx: I64, cy: I64) -> I64:
-        """Vectorized :meth:`count_cell`."""
-        shift = np.uint64(2 * (GRID_BITS - level))
-        prefix = morton_codes(cx, cy)
-        lo = prefix << shift
-        hi = (prefix + np.uint64(1)) << shift
-        s = self.morton_sorted
-        out: I64 = (np.searchsorted(s, hi) - np.searchsorted(s, lo)).astype(np.int64)
-        return out
 
     # -- strict counts in published boxes ----------------------------------------------------
     @cached_property
@@ -453,8 +431,3 @@ def hash_user(user: str) -> int:
     import hashlib
 
     return int.from_bytes(hashlib.blake2b(user.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def key_of(value: float) -> int:
-    """Exact key of one coordinate (re-exported for convenience)."""
-    return coordinate_key(value)

@@ -123,14 +123,6 @@ class KcloakClient:
         self._seq = 0
         self._run = secrets.token_hex(4)
 
-    @property
-    def open_mode(self) -> bool:
-        return self.tokens is None
-
-    @property
-    def pending_queries(self) -> int:
-        return len(self._pending)
-
     def next_query_id(self) -> str:
         self._seq += 1
         return f"{self._run}-q{self._seq}"

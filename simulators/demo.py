@@ -135,10 +135,6 @@ class DemoObserver:
         self.obs.record_positions(lat, lon)
         self.users_seen = int(lat.size)
 
-    def running_s(self) -> float:
-        """Seconds since the first update was sent (0 before)."""
-        return 0.0 if self.first_update_t is None else time.monotonic() - self.first_update_t
-
     def running_span_s(self) -> float:
         """Seconds from the first to the last update sent (0 before)."""
         if self.first_update_t is None or self.last_update_t is None:
@@ -324,76 +320,6 @@ def demo_area(users: int) -> tuple[float, float, float, float]:
     half_lon = half_lat / math.cos(math.radians(CITY_CENTRE[0]))
     lat, lon = CITY_CENTRE
     return (round(lon - half_lon, 6), round(lat - half_lat, 6), round(lon + half_lon, 6), round(lat + half_lat, 6))
-
-
-def street_chains(graph: StreetGraph) -> list[tuple[list[int], int, bool]]:
-    """The graph's street segments joined into chains: ``(node indices, class, one-way)``.
-
-    A segment present in both directions is two-way, one present in one direction only is
-    one-way (the chain then follows that direction). Consecutive segments of one class and kind
-    are chained greedily; the chains' consecutive node pairs are exactly the graph's segments.
-    """
-    n = graph.nodes
-    fwd = graph.tail * n + graph.head
-    has_rev = np.isin(graph.head * n + graph.tail, fwd)
-    emit = np.flatnonzero(~has_rev | (graph.tail < graph.head))
-    tails, heads = graph.tail[emit].tolist(), graph.head[emit].tolist()
-    classes, oneway = graph.edge_class[emit].tolist(), (~has_rev[emit]).tolist()
-    # (node, class, one-way) -> segments touching it: for one-way, out-segments at tails and in-segments at heads.
-    starts: dict[tuple[int, int, bool], list[int]] = {}
-    ends: dict[tuple[int, int, bool], list[int]] = {}
-    for i, (a, b, c, o) in enumerate(zip(tails, heads, classes, oneway, strict=True)):
-        starts.setdefault((a, c, o), []).append(i)
-        ends.setdefault((b, c, o), []).append(i)
-        if not o:
-            starts.setdefault((b, c, o), []).append(i)
-            ends.setdefault((a, c, o), []).append(i)
-    used = [False] * len(emit)
-
-    def take(pool: list[int] | None) -> int:
-        while pool:
-            j = pool.pop()
-            if not used[j]:
-                used[j] = True
-                return j
-        return -1
-
-    chains: list[tuple[list[int], int, bool]] = []
-    for i in range(len(emit)):
-        if used[i]:
-            continue
-        used[i] = True
-        c, o = classes[i], oneway[i]
-        nodes = [tails[i], heads[i]]
-        while (j := take(starts.get((nodes[-1], c, o)))) >= 0:
-            nodes.append(heads[j] if tails[j] == nodes[-1] else tails[j])
-        head_part: list[int] = []
-        first = nodes[0]
-        while (j := take(ends.get((first, c, o)))) >= 0:
-            first = tails[j] if heads[j] == first else heads[j]
-            head_part.append(first)
-        chains.append((head_part[::-1] + nodes, c, o))
-    return chains
-
-
-def write_osm(graph: StreetGraph, path: Path) -> None:
-    """Write ``graph`` as OSM XML that :func:`kcloak.simulators.streets.parse_osm` reads back as the same graph.
-
-    Node ids and coordinates are the graph's; ways are :func:`street_chains` with their
-    ``highway`` class (it sets the speed) and ``oneway=yes`` where the street runs one way.
-    """
-    ids = graph.node_id.tolist()
-    with path.open("w", encoding="utf-8") as fh:
-        fh.write("<?xml version='1.0' encoding='UTF-8'?>\n<osm version=\"0.6\" generator=\"kcloak demo\">\n")
-        fh.writelines(
-            f'<node id="{i}" lat="{la!r}" lon="{lo!r}"/>\n'
-            for i, la, lo in zip(ids, graph.lat.tolist(), graph.lon.tolist(), strict=True)
-        )
-        for w, (nodes, c, o) in enumerate(street_chains(graph), start=1):
-            refs = "".join(f'<nd ref="{ids[v]}"/>' for v in nodes)
-            tag = '<tag k="oneway" v="yes"/>' if o else ""
-            fh.write(f'<way id="-{w}">{refs}<tag k="highway" v="{graph.highway[c]}"/>{tag}</way>\n')
-        fh.write("</osm>\n")
 
 
 def prepare_streets(bbox: tuple[float, float, float, float]) -> StreetGraph:
@@ -776,5 +702,4 @@ __all__ = [
     "prepare_streets",
     "print_summary",
     "run_demo",
-    "write_osm",
 ]

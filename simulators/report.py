@@ -352,8 +352,8 @@ def _save_palette_png(fig: Figure, path: Path, dpi: int) -> None:
 
     fig.set_dpi(dpi)
     canvas = FigureCanvasAgg(fig)
-    canvas.draw()  # type: ignore[no-untyped-call]
-    buf = canvas.buffer_rgba()  # type: ignore[no-untyped-call]
+    canvas.draw()  # type: ignore[no-untyped-call]  # matplotlib 3.11: FigureCanvasAgg.draw is unannotated
+    buf = canvas.buffer_rgba()  # type: ignore[no-untyped-call]  # matplotlib 3.11: unannotated as well
     rgba = Image.frombuffer("RGBA", canvas.get_width_height(), buf, "raw", "RGBA", 0, 1)
     rgba.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
 

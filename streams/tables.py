@@ -29,6 +29,7 @@ from kcloak.core import geohash
 from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
 from kcloak.core.places import PoiSet
 from kcloak.core.readers import FixTable, ReaderError, open_text, read_fixes
+from kcloak.core.schemas import FIXES, FORWARDED, MOVEMENT_FILE, QUERYLOG_FILE, SchemaVersionError, SqliteFile
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -401,30 +402,45 @@ def build_places(fx: FixTable, options: BuildOptions) -> Table:
 
 
 # -- data directory --------------------------------------------------------------------------
-def _connect_ro(path: Path) -> sqlite3.Connection:
+def _connect_ro(directory: str | Path, schema: SqliteFile) -> sqlite3.Connection:
+    """``schema``'s file in the data directory, opened read-only after checking its schema version."""
+    path = Path(directory) / schema.filename
     if not path.is_file():
         raise TableError(f"data directory: {path.name} not found")
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:
         raise TableError(f"data directory: cannot open {path.name} read-only") from exc
+    try:
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute("PRAGMA schema_version").fetchone()
+        schema.check_version(conn)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise TableError(f"data directory: cannot open {path.name} read-only") from exc
+    except SchemaVersionError as exc:
+        conn.close()
+        raise TableError(f"data directory: {exc}") from None
     return conn
 
 
 def is_data_dir(path: str | Path) -> bool:
     p = Path(path)
-    return p.is_dir() and ((p / "movement.sqlite3").is_file() or (p / "querylog.sqlite3").is_file())
+    return p.is_dir() and any((p / f.filename).is_file() for f in (MOVEMENT_FILE, QUERYLOG_FILE))
+
+
+FIX_COLUMNS = ("user_id", "t", "lat", "lon")
+"""Columns of :data:`~kcloak.core.schemas.FIXES` read back as a :class:`FixTable` (each user one trajectory)."""
+_FIXES_SELECT = FIXES.select_sql(FIX_COLUMNS, order_by="user_id, t")  # built on import: a renamed column fails here
 
 
 def read_datadir_fixes(path: str | Path) -> FixTable:
     """Fixes of ``movement.sqlite3`` (read-only), each user's fixes one trajectory; bad rows counted."""
-    conn = _connect_ro(Path(path) / "movement.sqlite3")
+    conn = _connect_ro(path, MOVEMENT_FILE)
     try:
-        rows = conn.execute("SELECT user_id, t, lat, lon FROM fixes ORDER BY user_id, t").fetchall()
+        rows = conn.execute(_FIXES_SELECT).fetchall()
     except sqlite3.Error as exc:
-        raise TableError("data directory: movement.sqlite3 has no readable fixes table") from exc
+        raise TableError(f"data directory: {MOVEMENT_FILE.filename} has no readable {FIXES.name} table") from exc
     finally:
         conn.close()
     ids = np.array([str(r[0]) if r[0] is not None else "" for r in rows], dtype=np.str_)
@@ -441,15 +457,19 @@ def _real(v: object) -> float:
     return float(v)
 
 
+QUERYLOG_COLUMNS = ("t", "kind", "radius_m", "n", "category", "min_lon", "min_lat", "max_lon", "max_lat", "area_m2")
+"""Columns of :data:`~kcloak.core.schemas.FORWARDED` a ``querylog`` table is built from (the others,
+``t_start``, ``t_end``, ``k_achieved``, ``algorithm`` and ``outcome``, are not released)."""
+_QUERYLOG_SELECT = FORWARDED.select_sql(QUERYLOG_COLUMNS)
+
+
 def read_querylog(path: str | Path) -> Table:
     """``querylog`` rows (contract §8) from ``querylog.sqlite3`` (read-only): one per forwarded query."""
-    conn = _connect_ro(Path(path) / "querylog.sqlite3")
+    conn = _connect_ro(path, QUERYLOG_FILE)
     try:
-        rows = conn.execute(
-            "SELECT t, kind, radius_m, n, category, min_lon, min_lat, max_lon, max_lat, area_m2 FROM forwarded"
-        ).fetchall()
+        rows = conn.execute(_QUERYLOG_SELECT).fetchall()
     except sqlite3.Error as exc:
-        raise TableError("data directory: querylog.sqlite3 has no readable forwarded table") from exc
+        raise TableError(f"data directory: {QUERYLOG_FILE.filename} has no readable {FORWARDED.name} table") from exc
     finally:
         conn.close()
     out: list[dict[str, str]] = []

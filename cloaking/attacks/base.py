@@ -241,11 +241,6 @@ class Risk:
     def tolerance(self) -> float:
         return tolerance(self.baseline, self.trials)
 
-    @property
-    def advantage(self) -> float:
-        """mean(risk − 1/k) (§6.8)."""
-        return self.success_rate - self.baseline
-
     def holds(self) -> bool:
         """The defence holds: success within the sampling tolerance of 1/k."""
         return self.success_rate <= self.baseline + self.tolerance

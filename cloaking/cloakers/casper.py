@@ -178,12 +178,6 @@ class CasperArrays:
     kind: I64
     in_cells: I64
 
-    @property
-    def answer_level(self) -> I64:
-        """Level of the answer (the pairs' level for a pair); root level − 1 where ``ok`` is False."""
-        out: I64 = np.where(self.ok, self.level, -1)
-        return out
-
 
 def casper_arrays(
     qt: QuadtreeCounts,
@@ -274,9 +268,9 @@ def leaf_levels(view: IndexView, root: Root, deepest: int, tie_h: bool) -> I64:
     with max(s_w) over its cell ≤ ℓ (or the depth limit). Rows outside the root get −1.
     """
     key = ("kcloak.casper.leaves", root, deepest, tie_h)
-    cached = view.cache.get(key)
+    cached: I64 | None = view.cache.get(key)
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
     qt = QuadtreeCounts.of(view)
     n = qt.n
     root_level, rcx, rcy = root
@@ -489,9 +483,6 @@ class AdaptivePyramid:
     def count(self, cell: Cell) -> int:
         """Users in a materialised cell (KeyError for a cell that is not materialised)."""
         return self._nodes[cell].count
-
-    def is_materialised(self, cell: Cell) -> bool:
-        return cell in self._nodes
 
     def leaves(self) -> Iterator[Cell]:
         return (c for c, node in self._nodes.items() if node.users is not None)

@@ -604,9 +604,9 @@ def reciprocal_partition(view: IndexView, root: Root, deepest: int) -> tuple[I64
     alone. Rows outside the root get level −1. Cached per view.
     """
     key = ("kcloak.interval.partition", root, deepest)
-    cached = view.cache.get(key)
+    cached: tuple[I64, npt.NDArray[np.bool_]] | None = view.cache.get(key)
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
     qt = QuadtreeCounts.of(view)
     order = qt.order
     codes = qt.codes_array

@@ -16,7 +16,6 @@ from kcloak.cloaking.tabular.hierarchy import (
     EncodedHierarchy,
     Hierarchy,
     default_hierarchy,
-    format_number,
     parse_numbers,
 )
 
@@ -61,9 +60,6 @@ class Axis:
     integral: bool
     values: FloatArray
     labels: tuple[str, ...]
-
-    def write_exact(self, v: float) -> str:
-        return self.labels[int(v)] if self.categorical else format_number(v)
 
 
 @dataclass(slots=True)

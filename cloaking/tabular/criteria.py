@@ -290,11 +290,6 @@ class CriteriaSet:
         flat = np.bincount(group_ids * m + self.sensitive.codes, minlength=n_groups * m)
         return flat.reshape(n_groups, m).astype(np.int64)
 
-    def counts_for(self, rows: IntArray) -> IntArray | None:
-        if not self.needs_counts or self.sensitive is None:
-            return None
-        return np.bincount(self.sensitive.codes[rows], minlength=self.sensitive.m).reshape(1, -1).astype(np.int64)
-
     def accepts_rows(self, groups: Sequence[IntArray]) -> BoolArray:
         """Per group of row indices: does it satisfy every criterion?"""
         sizes = np.asarray([len(g) for g in groups], dtype=np.int64)

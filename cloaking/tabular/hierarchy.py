@@ -136,13 +136,6 @@ class CategoricalHierarchy:
         """Height-1 hierarchy: every value generalizes directly to ``*`` (default for categorical QIs)."""
         return cls({v: (SUPPRESSED,) for v in sorted(set(values))})
 
-    @classmethod
-    def from_parents(
-        cls, parents: Mapping[str, Sequence[str]], written: Literal["set", "label"] = "set"
-    ) -> CategoricalHierarchy:
-        """Same as the constructor with sequences converted to tuples."""
-        return cls({leaf: tuple(p) for leaf, p in parents.items()}, written)
-
     @property
     def height(self) -> int:
         return len(next(iter(self.paths.values())))

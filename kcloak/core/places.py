@@ -68,10 +68,12 @@ def _valid_text(v: object) -> bool:
 def _make_poi(poi_id: object, lat: object, lon: object, category: object, name: object) -> Poi | None:
     if not _valid_text(poi_id) or not _valid_text(category):
         return None
+    if not isinstance(lat, int | float | str) or not isinstance(lon, int | float | str):
+        return None  # JSON and CSV give numbers or text; null, bool (below), lists and objects are bad rows
     try:
-        flat = float(lat)  # type: ignore[arg-type]
-        flon = float(lon)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        flat = float(lat)
+        flon = float(lon)
+    except ValueError:
         return None
     if isinstance(lat, bool) or isinstance(lon, bool):
         return None

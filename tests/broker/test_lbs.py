@@ -15,9 +15,6 @@ from kcloak.broker.lbs import (
     LbsEngine,
     LonLatBox,
     _dist_to_pieces,
-    lipschitz_bound,
-    planar_casper_bound,
-    planar_knn_candidates,
 )
 from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
 from kcloak.core.places import Poi, PoiSet, load_pois
@@ -80,27 +77,8 @@ def box_around(lat: float, lon: float, w_m: float, h_m: float, *, micro: bool = 
 CASPER_POIS = {"a": (-3.0, 5.0), "b": (14.0, 5.0), "c": (5.0, 20.0), "d": (5.0, -8.0), "e": (30.0, 30.0)}
 
 
-def test_casper_nn_bounds() -> None:
-    a, b = CASPER_POIS["a"], CASPER_POIS["b"]
-    assert planar_casper_bound((0, 0), (10, 0), a, b) == pytest.approx(9.862, abs=1e-3)  # bottom: middle (5.5, 0)
-    assert planar_casper_bound((10, 0), (10, 10), b, b) == pytest.approx(6.403, abs=1e-3)  # right: no middle
-    assert planar_casper_bound((10, 10), (0, 10), b, a) == pytest.approx(9.862, abs=1e-3)  # top
-    assert planar_casper_bound((0, 10), (0, 0), a, a) == pytest.approx(5.831, abs=1e-3)  # left
-    f00, f10, f11 = math.hypot(5, 8), math.hypot(5, 8), math.hypot(5, 10)  # 2nd-NN distances at the vertices
-    assert lipschitz_bound(f00, f10, 10) == pytest.approx(14.434, abs=1e-3)
-    assert lipschitz_bound(f10, f11, 10) == pytest.approx(15.307, abs=1e-3)
-    assert lipschitz_bound(f11, f11, 10) == pytest.approx(16.180, abs=1e-3)
-
-
-def test_casper_nn_candidates() -> None:
-    names = list(CASPER_POIS)
-    pts = [CASPER_POIS[k] for k in names]
-    assert {names[i] for i in planar_knn_candidates((0, 0, 10, 10), pts, 1)} == {"a", "b", "d"}
-    assert {names[i] for i in planar_knn_candidates((0, 0, 10, 10), pts, 2)} == {"a", "b", "c", "d"}
-
-
 def test_casper_nn_on_the_sphere() -> None:
-    """The example scaled to 100 m per unit at the equator: the spherical engine finds the same sets."""
+    """The example scaled to 100 m per unit at the equator: the engine finds the sets of CONCEPTS §5.3."""
     unit = 100.0 / M_PER_DEG
     names = list(CASPER_POIS)
     pois = poi_set(

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kcloak.broker.stores import QUERYLOG_SQL, open_db
+from kcloak.broker.stores import open_db
 from kcloak.cli.main import main
+from kcloak.core.schemas import FORWARDED, QUERYLOG_FILE
 
 R = 6_371_008.8
 REPORT_FIELDS = {
@@ -179,7 +180,7 @@ def test_places_release(traj_csv: Path, tmp_path: Path, algorithm: str) -> None:
 def test_querylog_from_data_dir(tmp_path: Path) -> None:
     d = tmp_path / "data"
     d.mkdir()
-    conn = open_db(d / "querylog.sqlite3", QUERYLOG_SQL)
+    conn = open_db(d / QUERYLOG_FILE.filename, QUERYLOG_FILE)
     rng = np.random.default_rng(1)
     rows = []
     for i in range(40):
@@ -187,7 +188,7 @@ def test_querylog_from_data_dir(tmp_path: Path) -> None:
         cat = ["cafe", "bank", None][i % 3]
         rows.append((1_700_000_000 + 37 * i, "range", 300.0, None, cat, x, y, x + 0.01, y + 0.01, None, None,
                      8.5e5, 5, "hilbert", "ok"))  # fmt: skip
-    conn.executemany("INSERT INTO forwarded VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    conn.executemany(FORWARDED.insert_sql(), rows)
     conn.close()
     out, rep = tmp_path / "ql.csv", tmp_path / "ql.json"
     assert _run("querylog", str(d), "-o", str(out), "--k", "5", "--report", str(rep)) == 0

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kcloak.broker.stores import QUERYLOG_SQL, open_db
+from kcloak.broker.stores import open_db
 from kcloak.cli import release as release_cli
 from kcloak.cli.main import main
+from kcloak.core.schemas import QUERYLOG_FILE
 from kcloak.streams.release import KM_ALGORITHMS, ReleaseOutcome
 from kcloak.streams.tables import SOURCE_FORMATS, TableKind
 from tests.streams.test_release_cli import _trajectories
@@ -75,7 +76,7 @@ def test_querylog_without_forwarded_queries_has_nothing_to_release(
 ) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    open_db(data / "querylog.sqlite3", QUERYLOG_SQL).close()
+    open_db(data / QUERYLOG_FILE.filename, QUERYLOG_FILE).close()
     out = tmp_path / "q.csv"
     assert _run("querylog", str(data), "-o", str(out), "--k", "2") == 1
     assert "no forwarded query" in _one_error_line(capsys) and not out.exists()

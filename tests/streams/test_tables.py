@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kcloak.broker.stores import MOVEMENT_SQL, QUERYLOG_SQL, open_db
+from kcloak.broker.stores import open_db
 from kcloak.core import geohash
 from kcloak.core.places import load_pois, parse_pois
 from kcloak.core.readers import FixTable, read_fixes
+from kcloak.core.schemas import FIXES, FORWARDED, MOVEMENT_FILE, QUERYLOG_FILE
 from kcloak.streams.tables import (
     BuildOptions,
     NotApplicableSource,
@@ -193,14 +194,14 @@ def test_table_csv_input(tmp_path: Path) -> None:
 
 def _data_dir(path: Path) -> Path:
     path.mkdir()
-    mv = open_db(path / "movement.sqlite3", MOVEMENT_SQL)
+    mv = open_db(path / MOVEMENT_FILE.filename, MOVEMENT_FILE)
     rows = _journey("alice") + _journey("bob", 1_700_000_500.0)
-    mv.executemany("INSERT INTO fixes VALUES (?, ?, ?, ?)", rows)
-    mv.execute("INSERT INTO fixes VALUES ('carol', 1700000000, 123.0, 116.4)")  # bad: latitude out of range
+    mv.executemany(FIXES.insert_sql(), rows)
+    mv.execute(FIXES.insert_sql(), ("carol", 1700000000, 123.0, 116.4))  # bad: latitude out of range
     mv.close()
-    ql = open_db(path / "querylog.sqlite3", QUERYLOG_SQL)
+    ql = open_db(path / QUERYLOG_FILE.filename, QUERYLOG_FILE)
     ql.executemany(
-        "INSERT INTO forwarded VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        FORWARDED.insert_sql(),
         [
             (
                 1700000000.4,
@@ -271,7 +272,7 @@ def test_data_directory_read_only_while_written(tmp_path: Path) -> None:
     d = _data_dir(tmp_path / "data")
     writer = sqlite3.connect(d / "movement.sqlite3", isolation_level=None)
     writer.execute("BEGIN")
-    writer.execute("INSERT INTO fixes VALUES ('dave', 1700000000, 39.9, 116.4)")
+    writer.execute(FIXES.insert_sql(), ("dave", 1700000000, 39.9, 116.4))
     try:
         tab = build_table(d, TableKind.TRIPS)
         assert tab.n_trajectories == 2  # the uncommitted fix is not visible
