@@ -389,11 +389,10 @@ async def _run_query(request: web.Request, body: dict[str, Any]) -> web.Response
     except TimeoutError:
         raise HttpError(ReasonCode.OVERLOADED, "no answer in time", query_id=qid) from None
     answer = outcome.answer
-    if answer["status"] == "refused":
-        code = ReasonCode(answer["reason"])
-        if code in _ERROR_ANSWERS:
-            raise HttpError(code, answer["message"], query_id=qid)
-    return web.json_response(answer)
+    code = answer.reason
+    if code is not None and code in _ERROR_ANSWERS:
+        raise HttpError(code, answer.message or "", query_id=qid)
+    return web.json_response(answer.to_json())
 
 
 async def post_query(request: web.Request) -> web.Response:

@@ -425,7 +425,7 @@ class MqttDoor:
 
     async def _answer(self, user: str, qid: str, obj: dict[str, Any]) -> None:
         outcome = await self.pipeline.query("mqtt", user, qid, obj)
-        await self.publish(f"{ROOT}answer/{user}", outcome.answer)
+        await self.publish(f"{ROOT}answer/{user}", outcome.answer.to_json())
 
 
 def _item_user(item: Any, sender: str) -> str:

@@ -127,8 +127,7 @@ class Broker:
         )
         restored = self.pipeline.restore_positions()
         self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
-        self._tasks.append(self._tg.create_task(self.pipeline.run_workers(), name="cloak-worker"))
-        self._tasks.append(self._tg.create_task(self.pipeline.run_expiry(), name="hold-expiry"))
+        self._tasks.append(self._tg.create_task(self.pipeline.run_cloaking(), name="cloaking"))
         self._tasks.append(self._tg.create_task(self.pipeline.run_housekeeping(), name="housekeeping"))
         self._tasks.append(self._tg.create_task(self.pipeline.run_sessions(), name="sessions"))
         if cfg.mqtt.mode != "none":

@@ -5,21 +5,33 @@ at its start: the query's ``kind`` and parameters, the effective profile E and t
 (:class:`~kcloak.cloaking.continuous.SharedGroup`, k-sharing with memorization). The table enforces
 ``sessions.per_user`` active sessions per user and the ``idle_s`` / ``max_s`` expiry; sessions
 never touch the disk and do not survive a restart. Session ids are 128 random bits from
-:mod:`secrets` and never leave the broker except to their owner.
+:mod:`secrets` and never leave the broker except to their owner. :class:`ContinuousQueries`
+starts, refreshes and stops sessions from a cloaked first region and the shared index views.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
+from kcloak.broker.forwarding import Background, Forwarder, Timing
+from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
-from kcloak.cloaking.continuous import SharedGroup
-from kcloak.core.profile import PrivacyProfile
-from kcloak.wire.payloads import Query
+from kcloak.broker.modes import Cloaked, Views
+from kcloak.broker.positions import PositionReader
+from kcloak.cloaking.cloakers import Refusal
+from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
+from kcloak.core.profile import PrivacyProfile, ReasonCode
+from kcloak.wire.answers import Answer, SessionBrief
+from kcloak.wire.payloads import Fix, Query
+
+log = logging.getLogger("kcloak.pipeline")
 
 
 class SessionState(enum.StrEnum):
@@ -61,12 +73,10 @@ class Session:
             return "category"
         return None
 
-    def brief(self) -> dict[str, Any]:
+    def brief(self) -> SessionBrief:
         """The ``session`` member of an answer: id, state, and ``expires_t`` while active."""
-        out: dict[str, Any] = {"session_id": self.session_id, "state": self.state.value}
-        if self.state is SessionState.ACTIVE:
-            out["expires_t"] = self.expires_t
-        return out
+        expires_t = self.expires_t if self.state is SessionState.ACTIVE else None
+        return SessionBrief(self.session_id, self.state.value, expires_t)
 
     def to_json(self) -> dict[str, Any]:
         """The session object of the GET route (contract §6)."""
@@ -221,4 +231,150 @@ def session_status(session: Session, now: float) -> dict[str, Any]:
     return {"kind": "session", "session_id": session.session_id, "state": session.state.value, "t": now}
 
 
-__all__ = ["Session", "SessionState", "SessionTable", "session_status"]
+class ContinuousQueries:
+    """Starts, refreshes and stops sessions, and reports their expiry (contract §6; CONCEPTS §6.5).
+
+    A start forwards the first region of a continuous query and opens the session only if that
+    succeeds. A refresh forwards the bbox of the group's present members (never a new cloak), with
+    the kind, parameters and effective profile fixed at the start; ``k_unreachable`` and
+    ``area_exceeded`` end the session, ``stale_position`` keeps it.
+
+    Keyword arguments: ``table`` (the :class:`SessionTable`), ``positions``, ``views`` (the shared
+    index views), ``forwarder``, ``metrics``, ``algorithm`` (metric label), ``background`` (status
+    messages are sent in it), ``clock``. ``notify`` publishes a session status message (``kind:
+    session``) to a user; set it when MQTT is configured.
+    """
+
+    def __init__(
+        self,
+        *,
+        table: SessionTable,
+        positions: PositionReader,
+        views: Views,
+        forwarder: Forwarder,
+        metrics: Metrics,
+        algorithm: str,
+        background: Background,
+        clock: Callable[[], float],
+    ) -> None:
+        self.table = table
+        self.positions = positions
+        self.views = views
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.algorithm = algorithm
+        self.background = background
+        self.clock = clock
+        self.notify: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
+        table.on_expired = self._expired
+
+    def kind_label(self, user: str, q: Query) -> str:
+        """Metric ``kind`` of a query; a refresh that does not repeat ``kind`` counts as its session's."""
+        if q.kind is None and q.session_id is not None and not q.stop:
+            session = self.table.peek(user, q.session_id)
+            if session is not None:
+                return session.kind
+        return q.metric_kind
+
+    async def start(
+        self, q: Query, user: str, profile: PrivacyProfile, cloaked: Cloaked, lost_group: ReasonCode, timing: Timing
+    ) -> Answer:
+        """Forward the first region; the session exists only if that succeeds.
+
+        ``cloaked.view`` is the snapshot the region was cloaked (or counted) on: the group G is the
+        present users strictly inside the region in it (k-sharing with memorization). When it no
+        longer holds the querier and k users, the query is refused ``lost_group``.
+        """
+        assert cloaked.view is not None
+        try:
+            group = SharedGroup.start(cloaked.view, user, cloaked.region, profile)
+        except SessionError:
+            message = "the first region no longer holds the querier and k users"
+            return Answer.refused(q.query_id, lost_group, message, self.clock())
+        answer = await self.forwarder.forward(q, profile, cloaked.region, cloaked.lat, cloaked.lon, timing)
+        if answer.status != "ok":
+            return answer
+        session = self.table.open(user, q, profile, group)
+        log_event(log, "session_started", algorithm=self.algorithm, members=len(group.members))
+        return answer.with_session(session.brief())
+
+    async def refresh(
+        self, user: str, q: Query, timing: Timing, carry: Callable[[Fix], Awaitable[ReasonCode | None]]
+    ) -> Answer:
+        """A refresh or a stop of one of the user's sessions; ``carry`` submits its carried fix."""
+        qid = q.query_id
+        assert q.session_id is not None
+        session = self.table.get(user, q.session_id)
+        if session is None:
+            return Answer.refused(qid, ReasonCode.UNKNOWN_SESSION, "unknown session", self.clock())
+        mismatch = session.mismatch(q)
+        if mismatch is not None:
+            message = f"{mismatch}: must equal the value the session started with"
+            return self._refused(qid, ReasonCode.INVALID, message, session)
+        if q.fix is not None:
+            code = await carry(q.fix)
+            if code is ReasonCode.INVALID or code is ReasonCode.SHUTDOWN:
+                return self._refused(qid, code, "t: outside the accepted clock skew", session)
+        if session.state is not SessionState.ACTIVE:  # closed while its carried fix was written
+            return Answer.refused(qid, ReasonCode.UNKNOWN_SESSION, "unknown session", self.clock())
+        if q.stop:
+            self.table.close(session, SessionState.STOPPED)
+            return Answer.stopped(qid, session.brief(), self.clock())
+        self.table.touch(session)
+        if not self.positions.is_present(user, self.clock()):
+            return self._refused(qid, ReasonCode.STALE_POSITION, "no present position for this user", session)
+        started = time.perf_counter()
+        # The newest view: every member's latest accepted fix, not only the querier's.
+        view = self.views.latest()
+        result = session.group.refresh(view, user, session.profile)
+        self.metrics.cloak_seconds.labels(algorithm=self.algorithm).observe(time.perf_counter() - started)
+        if isinstance(result, Refusal):
+            if ends_session(result):
+                self.table.close(session, SessionState.ENDED)
+                log_event(log, "session_closed", state="ended", reason=result.reason.value)
+            return self._refused(qid, result.reason, result.message, session)
+        fix = self.positions.fix(user)
+        assert fix is not None
+        fixed = replace(q, kind=session.kind, radius_m=session.radius_m, n=session.n, category=session.category)
+        answer = await self.forwarder.forward(fixed, session.profile, result, fix[0], fix[1], timing)
+        return answer.with_session(session.brief())
+
+    def _refused(self, query_id: str, code: ReasonCode, message: str, session: Session) -> Answer:
+        """A refusal carrying the session (every answer to a session's refresh or stop does)."""
+        return Answer.refused(query_id, code, message, self.clock()).with_session(session.brief())
+
+    def session_object(self, user: str, session_id: str) -> dict[str, Any] | None:
+        """The session object of ``GET …/sessions/{id}``; None when unknown to this user (contract §6)."""
+        session = self.table.get(user, session_id)
+        return None if session is None else session.to_json()
+
+    def stop(self, user: str, session_id: str) -> bool:
+        """``DELETE …/sessions/{id}``: stop the user's active session; False when unknown."""
+        session = self.table.get(user, session_id)
+        if session is None:
+            return False
+        self.table.close(session, SessionState.STOPPED)
+        return True
+
+    def _expired(self, session: Session) -> None:
+        log_event(log, "session_closed", state="expired")
+        if self.notify is not None:
+            self.background.spawn(self._notify(session.user, session_status(session, self.clock())))
+
+    async def _notify(self, user: str, body: dict[str, Any]) -> None:
+        assert self.notify is not None
+        try:
+            await self.notify(user, body)
+        except Exception:
+            log_event(log, "session_status_failed", logging.WARNING)
+
+    async def run(self) -> None:
+        """Expire idle or over-age sessions (contract §6) about once a second; runs until cancelled."""
+        while True:
+            self.table.expire_due()
+            nxt = self.table.next_expiry()
+            delay = 1.0 if nxt is None else min(1.0, max(nxt - self.clock(), 0.02))
+            await asyncio.sleep(delay)
+
+
+__all__ = ["ContinuousQueries", "Session", "SessionState", "SessionTable", "session_status"]

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import Refusal, Region, refuse
+from kcloak.cloaking.cloakers.base import CloakMode, Refusal, Region, refuse
 from kcloak.cloaking.cloakers.interval import WORLD_ROOT, Root, cell_bbox, grid_coord, levels_of
 from kcloak.cloaking.grid import GRID_BITS
 from kcloak.core.geometry import BBox, coordinate_key, coordinate_keys
@@ -275,6 +275,31 @@ def temporal_cloak(
     )
 
 
+class TemporalCloak:
+    """Temporal cloaking as a held cloaker declares it (``cloak_mode`` :attr:`CloakMode.TEMPORAL`): the
+    region is chosen once, from the fix (:meth:`cell`), and the interval as fixes arrive
+    (:meth:`window`); the caller holds the query and owns the clock (§5.1, §5.2).
+
+    Keyword argument: ``lookback_s``, how far before the fix ``t_start`` may reach (default 300).
+    """
+
+    name: ClassVar[str] = ALGORITHM
+    reciprocal: ClassVar[bool] = False
+    supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.TEMPORAL
+
+    def __init__(self, *, lookback_s: float = DEFAULT_LOOKBACK_S) -> None:
+        self.lookback_s = lookback_s
+
+    def cell(self, lat: float, lon: float, profile: PrivacyProfile) -> TemporalCell | Refusal:
+        """:func:`temporal_cell` under the profile's area bounds."""
+        return temporal_cell(lat, lon, max_area_m2=profile.max_area_m2, min_area_m2=profile.min_area_m2)
+
+    def window(self, history: FixHistory, bbox: BBox, t_fix: float, k: int, *, until: float) -> TemporalWindow:
+        """:func:`temporal_window` with this cloaker's look-back."""
+        return temporal_window(history, bbox, t_fix, k, lookback_s=self.lookback_s, until=until)
+
+
 __all__ = [
     "ALGORITHM",
     "DEFAULT_LOOKBACK_S",
@@ -283,6 +308,7 @@ __all__ = [
     "FixHistory",
     "Fixes",
     "TemporalCell",
+    "TemporalCloak",
     "TemporalWindow",
     "aligned_start",
     "first_visits",

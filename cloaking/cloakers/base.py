@@ -9,6 +9,7 @@ included) and cache per-view state in ``view.cache``.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -22,6 +23,18 @@ from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, np.int64)
 _EMPTY.setflags(write=False)
+
+
+class CloakMode(enum.StrEnum):
+    """How a cloaker is driven: the capability it declares (``cloak_mode``), from which the broker picks
+    the way it serves queries, never from the algorithm's name (CONCEPTS §4, §5)."""
+
+    SNAPSHOT = "snapshot"
+    """``cloak``/``cloak_batch`` on an immutable index view: answered at once (CONCEPTS §4.0)."""
+    HELD = "held"
+    """Requests are held until a group of senders forms or their deadline passes (§4.5, §5.2)."""
+    TEMPORAL = "temporal"
+    """A fixed region, held in time until k users visited it (§5.1)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -150,6 +163,10 @@ class Cloaker(Protocol):
     name: ClassVar[str]
     reciprocal: ClassVar[bool]
     supports_l: ClassVar[bool]
+    cloak_mode: ClassVar[CloakMode]
+    """:attr:`CloakMode.SNAPSHOT` for every cloaker of this protocol."""
+    vectorized: ClassVar[bool]
+    """``cloak_batch`` is faster than one ``cloak`` per request (the broker micro-batches then)."""
 
     def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
         """Cloak the request of the user at view row ``row`` under effective profile ``profile``."""

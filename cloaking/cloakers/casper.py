@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, Region
+from kcloak.cloaking.cloakers.base import BatchResult, CloakMode, CloakResult, Region
 from kcloak.cloaking.cloakers.interval import (
     KIND_CELL,
     KIND_HPAIR,
@@ -334,6 +334,8 @@ class CasperCloak:
     name: ClassVar[str] = "casper"
     reciprocal: ClassVar[bool] = False
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kcloak.cloaking.cloakers.base import CloakMode
 from kcloak.core.geometry import (
     EARTH_RADIUS_M,
     UDEG_PER_DEG,
@@ -240,6 +241,7 @@ class CliqueCloak:
     name: ClassVar[str] = "clique"
     reciprocal: ClassVar[bool] = True
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.HELD
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ import numpy.typing as npt
 from kcloak.cloaking.cloakers.base import (
     STATUS_OF,
     BatchResult,
+    CloakMode,
     CloakResult,
     Refusal,
     Region,
@@ -609,6 +610,8 @@ class HilbertCloak:
     name: ClassVar[str] = "hilbert"
     reciprocal: ClassVar[bool] = True
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = True
 
     def __init__(self, *, order: int = GRID_BITS) -> None:
         if not 1 <= order <= GRID_BITS:

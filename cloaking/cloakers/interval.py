@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, Region, finish_region, refuse
+from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakMode, CloakResult, Region, finish_region, refuse
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
@@ -672,6 +672,8 @@ class IntervalCloak:
     name: ClassVar[str] = "interval"
     reciprocal: ClassVar[bool] = False
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = True
 
     def __init__(
         self, *, root: Root = WORLD_ROOT, depth_max: int | None = None, reciprocal_partition: bool = False

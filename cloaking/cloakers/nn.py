@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakResult, finish_region, refuse
+from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakMode, CloakResult, finish_region, refuse
 from kcloak.cloaking.cloakers.hilbert import bbox_areas_m2, bboxes_around_keys
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import EARTH_RADIUS_M, BBox, bbox_around_keys, haversine_m_array
@@ -152,6 +152,8 @@ class NearestNeighbourCloak:
     name: ClassVar[str] = "nn"
     reciprocal: ClassVar[bool] = False
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = True
 
     def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
         """Region of the querier's k-nearest group, or the refusal of §3.3."""

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, Region, cloak_each, refuse
+from kcloak.cloaking.cloakers.base import BatchResult, CloakMode, CloakResult, Region, cloak_each, refuse
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
@@ -258,6 +258,8 @@ class PrivacyGridCloak:
     name: ClassVar[str] = "privacygrid"
     reciprocal: ClassVar[bool] = False
     supports_l: ClassVar[bool] = True
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = False  # cloak_batch is one cloak per request
 
     def __init__(
         self,

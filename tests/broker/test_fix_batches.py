@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any
 
-from kcloak.broker.pipeline import FIX_CHUNK
+from kcloak.broker.intake import FIX_CHUNK
 from kcloak.broker.service import Broker
 from kcloak.core.profile import ReasonCode
 
@@ -62,7 +62,7 @@ async def test_other_work_runs_between_the_chunks(http_broker: Broker) -> None:
 
     async def probe() -> None:
         await asyncio.sleep(0)
-        seen.append(len(pipeline._last_t))  # fixes validated so far (one chunk, not the batch)
+        seen.append(len(pipeline.intake._last_t))  # fixes validated so far (one chunk, not the batch)
 
     batch = asyncio.create_task(pipeline.submit_fix_batch("http", items))
     await asyncio.gather(batch, probe())

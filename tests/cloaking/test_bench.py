@@ -25,7 +25,7 @@ from kcloak.cloaking.bench import (
     run_cloak_bench,
     snapshot_population,
 )
-from kcloak.cloaking.cloakers.base import BatchResult, CloakResult, cloak_each, finish_region, refuse
+from kcloak.cloaking.cloakers.base import BatchResult, CloakMode, CloakResult, cloak_each, finish_region, refuse
 from kcloak.cloaking.grid import cell_udeg
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import BBox
@@ -42,6 +42,8 @@ class BoxCloak:
     name: ClassVar[str] = "box"
     reciprocal: ClassVar[bool] = False
     supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = False
     half_udeg = 3000
 
     def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:

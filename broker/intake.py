@@ -1,0 +1,206 @@
+"""Fix intake: validate (contract §1 order) → write ahead to the movement store → apply to the positions.
+
+Needs only the movement store and the positions it writes to (no cloaker, no query state). Fixes
+are decided in the order they arrive; a query waits for the fixes of its user received before it
+(:meth:`FixIntake.own_fixes_decided`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kcloak.broker.config import CloakingConfig, LimitsConfig
+from kcloak.broker.logs import log_event
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.positions import Positions
+from kcloak.broker.ratelimit import TokenBuckets
+from kcloak.broker.stores import MovementStore
+from kcloak.core.profile import ReasonCode
+from kcloak.wire.payloads import Fix, InvalidInput, parse_fix
+
+log = logging.getLogger("kcloak.pipeline")
+
+FIX_CHUNK = 500
+"""Most fixes of one batch handled in one event-loop turn (:meth:`FixIntake.submit_fix_batch`)."""
+
+
+@dataclass(slots=True)
+class FixResult:
+    """Per-item outcome of a batch of fixes: ``None`` = accepted, else a reason code."""
+
+    codes: list[ReasonCode | None] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return sum(1 for c in self.codes if c is None)
+
+
+class FixIntake:
+    """Validates, durably stores and applies fixes; every fix is counted once, accepted or rejected.
+
+    Keyword arguments: ``cloaking`` (clock skew, maximum age, ``stale_after_s``), ``limits`` (the
+    per-user update rate), ``metrics``, ``movement`` (the write-ahead store), ``positions`` (where
+    accepted fixes are applied), ``clock`` (Unix seconds). After :meth:`begin_shutdown` every fix
+    is rejected ``shutdown``.
+    """
+
+    def __init__(
+        self,
+        *,
+        cloaking: CloakingConfig,
+        limits: LimitsConfig,
+        metrics: Metrics,
+        movement: MovementStore,
+        positions: Positions,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cloaking = cloaking
+        self.metrics = metrics
+        self.movement = movement
+        self.positions = positions
+        self.clock = clock
+        self.closing = False
+        self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
+        self._last_t: dict[str, float] = {}
+        self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
+        self._fixes_in_flight: dict[str, set[asyncio.Task[FixResult]]] = {}
+        """Per user, the fix submissions received and not yet decided (:meth:`enqueue_fixes`)."""
+
+    def begin_shutdown(self) -> None:
+        self.closing = True
+
+    def restore(self) -> int:
+        """Reload the latest fixes of users still present from the movement store (after a restart)."""
+        now = self.clock()
+        latest = self.movement.latest_per_user(now - self.cloaking.stale_after_s)
+        history = self.positions.history
+        recent = [] if history is None else self.movement.fixes_between(now - history.keep_s, math.inf)
+        self.positions.restore(latest, recent)
+        for user, t, _, _ in latest:
+            self._last_t[user] = t
+        return len(latest)
+
+    async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``."""
+        now = self.clock()
+        cfg = self.cloaking
+        result = FixResult([None] * len(items))
+        accepted: list[tuple[int, str, Fix]] = []
+        previous: dict[str, float | None] = {}
+        for i, (user, raw) in enumerate(items):
+            code = self._check_fix(user, raw, now, cfg.max_clock_skew_s, cfg.max_update_age_s)
+            if isinstance(code, ReasonCode):
+                result.codes[i] = code
+                continue
+            accepted.append((i, user, code))
+            previous.setdefault(user, self._last_t.get(user))
+            self._last_t[user] = code.t
+        if accepted and not self.movement.writer.try_reserve(len(accepted)):
+            for i, _, _ in accepted:
+                result.codes[i] = ReasonCode.OVERLOADED
+            accepted = []
+            self._restore_last_t(previous)
+        if accepted:
+            try:
+                await self.movement.append(((u, f.t, f.lat, f.lon) for _, u, f in accepted), reserved=True)
+            except Exception:
+                log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(accepted))
+                for i, _, _ in accepted:
+                    result.codes[i] = ReasonCode.OVERLOADED
+                accepted = []
+                self._restore_last_t(previous)
+            self.positions.apply((user, fix.t, fix.lat, fix.lon) for _, user, fix in accepted)
+        n_ok = sum(1 for outcome in result.codes if outcome is None)
+        if n_ok:
+            self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)
+        if n_ok != len(result.codes):
+            for outcome in result.codes:
+                if outcome is not None:
+                    self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
+        self.metrics.users_indexed.set(len(self.positions))
+        return result
+
+    async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
+        """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes
+        per event-loop turn, so that queries and answers arriving meanwhile are not held up behind
+        thousands of fixes. Batches are validated in the order they arrive, every chunk of one
+        before any of the next (a later, smaller batch of the same users never overtakes the rest
+        of a large one), and committed and applied in that order (the store has one writer, first
+        in first out), so the outcome of a batch is that of one call."""
+        chunks: list[asyncio.Task[FixResult]] = []
+        async with self._batch_order:  # first come, first served (asyncio's lock wakes waiters in order)
+            for start in range(0, len(items), FIX_CHUNK):
+                if chunks:
+                    await asyncio.sleep(0)
+                chunks.append(asyncio.create_task(self.submit_fixes(transport, items[start : start + FIX_CHUNK])))
+        results = await asyncio.gather(*chunks)
+        return FixResult([code for r in results for code in r.codes])
+
+    def enqueue_fixes(
+        self, transport: str, items: list[tuple[str, Any]], *, batch: bool = False, source: str = "update"
+    ) -> asyncio.Task[FixResult]:
+        """Submit fixes as they are received, without waiting: :meth:`submit_fix_batch` when
+        ``batch``, else :meth:`submit_fixes`. The task resolves when every fix is decided (accepted,
+        i.e. committed and applied, or rejected). Until then a query of any of these users waits for
+        them (:meth:`own_fixes_decided`), so a query sees every fix of its user that was received
+        before it, whatever the transport and whatever the size of the message that carried it."""
+        coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
+        task = asyncio.create_task(coro)
+        users = {user for user, _ in items}
+        for user in users:
+            self._fixes_in_flight.setdefault(user, set()).add(task)
+
+        def decided(done: asyncio.Task[FixResult]) -> None:
+            for user in users:
+                tasks = self._fixes_in_flight.get(user)
+                if tasks is not None:
+                    tasks.discard(done)
+                    if not tasks:
+                        del self._fixes_in_flight[user]
+
+        task.add_done_callback(decided)
+        return task
+
+    async def own_fixes_decided(self, user: str) -> None:
+        """Wait until the fixes of ``user`` received before now are decided (later ones are not
+        waited for, so a steady stream of fixes never holds a query up)."""
+        tasks = self._fixes_in_flight.get(user)
+        if tasks:
+            await asyncio.wait(set(tasks))
+
+    def _restore_last_t(self, previous: dict[str, float | None]) -> None:
+        for user, t in previous.items():
+            if t is None:
+                self._last_t.pop(user, None)
+            else:
+                self._last_t[user] = t
+
+    def _check_fix(self, user: str, raw: Any, now: float, skew_s: float, max_age_s: float) -> Fix | ReasonCode:
+        if self.closing:
+            return ReasonCode.SHUTDOWN
+        if isinstance(raw, Fix):
+            fix = raw
+        else:
+            try:
+                fix, _ = parse_fix(raw)
+            except InvalidInput:
+                return ReasonCode.INVALID
+        if fix.t > now + skew_s:
+            return ReasonCode.INVALID
+        if fix.t < now - max_age_s:
+            return ReasonCode.TOO_OLD
+        last = self._last_t.get(user)
+        if last is not None and fix.t <= last:
+            return ReasonCode.OUT_OF_ORDER
+        if not self._update_buckets.take(user):
+            return ReasonCode.RATE_LIMITED
+        return fix
+
+
+__all__ = ["FIX_CHUNK", "FixIntake", "FixResult"]

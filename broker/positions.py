@@ -1,0 +1,104 @@
+"""The broker's live positions: what fix intake writes and cloaking reads (CONCEPTS §2.4).
+
+:class:`Positions` holds the position index, the recent-fix history temporal cloaking reads, and
+a version that counts the batches applied, so that a query can wait for a view at least as new as
+its user's last fix. Intake writes through :meth:`Positions.apply`; cloaking only needs the read
+interface :class:`PositionReader`, so either runs without the other (a cluster runs them in
+different processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from kcloak.broker.history import RecentFixes
+from kcloak.cloaking.index import IndexView, PositionIndex
+
+
+class PositionReader(Protocol):
+    """What cloaking reads of the positions: present fixes, immutable views, recent history."""
+
+    @property
+    def version(self) -> int:
+        """Batches of fixes applied so far."""
+        ...
+
+    @property
+    def history(self) -> RecentFixes | None:
+        """Recent accepted fixes (kept only when the cloaker is temporal)."""
+        ...
+
+    def user_version(self, user: str) -> int:
+        """The version that holds the user's latest applied fix."""
+        ...
+
+    def fix(self, user: str) -> tuple[float, float, float] | None:
+        """The user's latest fix ``(lat, lon, t)``, or None."""
+        ...
+
+    def is_present(self, user: str, now: float) -> bool: ...
+
+    def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView: ...
+
+
+class Positions:
+    """The position index with its history and version (implements :class:`PositionReader`).
+
+    Keyword arguments: ``index`` (the :class:`PositionIndex`), ``history`` (the recent fixes
+    temporal cloaking reads; None, the default, keeps none).
+    """
+
+    def __init__(self, *, index: PositionIndex, history: RecentFixes | None = None) -> None:
+        self.index = index
+        self._history = history
+        self._version = 0
+        self._user_version: dict[str, int] = {}
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def history(self) -> RecentFixes | None:
+        return self._history
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def apply(self, fixes: Iterable[tuple[str, float, float, float]]) -> None:
+        """Apply one batch of accepted fixes ``(user, t, lat, lon)``, in order, as one new version."""
+        self._version += 1
+        version = self._version
+        index, history = self.index, self._history
+        for user, t, lat, lon in fixes:
+            index.update(user, lat, lon, t)
+            self._user_version[user] = version
+            if history is not None:
+                history.append(user, t, lat, lon)
+
+    def restore(
+        self, latest: Iterable[tuple[str, float, float, float]], recent: Iterable[tuple[str, float, float, float]]
+    ) -> None:
+        """Reload after a restart: each user's ``latest`` fix into the index, ``recent`` fixes into the history."""
+        for user, t, lat, lon in latest:
+            self.index.update(user, lat, lon, t)
+        if self._history is not None:
+            for user, t, lat, lon in recent:
+                self._history.append(user, t, lat, lon)
+        self._version += 1
+
+    def user_version(self, user: str) -> int:
+        return self._user_version.get(user, self._version)
+
+    def fix(self, user: str) -> tuple[float, float, float] | None:
+        return self.index.fix(user)
+
+    def is_present(self, user: str, now: float) -> bool:
+        return self.index.is_present(user, now)
+
+    def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
+        return self.index.snapshot(now, epoch=epoch, seed=seed)
+
+
+__all__ = ["PositionReader", "Positions"]

@@ -1,0 +1,219 @@
+"""The pipeline's parts run alone: fix intake without a cloaker, cloaking without fix intake.
+
+A cluster will run them in different processes, so neither may need the other's state: intake
+gets a movement store and the positions it writes to; a cloaking mode gets positions (filled
+directly here) and a user with its effective profile. The mode is the one the cloaker declares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from kcloak.broker.config import CloakingConfig, LimitsConfig, QueuesConfig
+from kcloak.broker.forwarding import Timing
+from kcloak.broker.history import RecentFixes
+from kcloak.broker.intake import FixIntake
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.modes import (
+    BATCH_MIN,
+    Cloaked,
+    HeldCloaking,
+    SnapshotCloaking,
+    TemporalCloaking,
+    Views,
+    build_cloaker,
+    serving_mode,
+)
+from kcloak.broker.positions import Positions
+from kcloak.broker.stores import MovementStore
+from kcloak.cloaking.cloakers import BatchResult, CloakMode, CloakResult, Refusal, cloak_each, get_cloaker
+from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+PROFILE = PrivacyProfile(k=5, max_area_m2=2.5e9, max_delay_s=5.0)
+
+
+def metrics() -> Metrics:
+    return Metrics(version="test", algorithm="test")
+
+
+def crowd(n: int, t: float) -> list[tuple[str, float, float, float]]:
+    """``n`` users around Beijing as ``(user, t, lat, lon)``."""
+    rng = np.random.default_rng(3)
+    return [
+        (f"u{i:03d}", t, 39.9 + float(rng.uniform(-0.01, 0.01)), 116.4 + float(rng.uniform(-0.01, 0.01)))
+        for i in range(n)
+    ]
+
+
+def positions_of(fixes: list[tuple[str, float, float, float]], *, history: bool = False) -> Positions:
+    """Positions filled directly, as a cluster's cloaking node would receive them (no intake)."""
+    index = PositionIndex(stale_after_s=60.0, default_profile=PrivacyProfile())
+    positions = Positions(index=index, history=RecentFixes(3600.0) if history else None)
+    positions.apply(fixes)
+    return positions
+
+
+@pytest.fixture
+async def movement(tmp_path: Path) -> AsyncIterator[MovementStore]:
+    async with MovementStore(tmp_path / "movement.sqlite3") as store:
+        yield store
+
+
+async def test_fix_intake_runs_with_a_store_and_positions_only(movement: MovementStore) -> None:
+    index = PositionIndex(stale_after_s=60.0, default_profile=PrivacyProfile())
+    positions = Positions(index=index)
+    intake = FixIntake(
+        cloaking=CloakingConfig(), limits=LimitsConfig(), metrics=metrics(), movement=movement, positions=positions
+    )
+    now = time.time()
+    items: list[tuple[str, Any]] = [
+        ("ann", {"t": now - 5, "lat": 39.9, "lon": 116.4}),
+        ("ann", {"t": now - 9, "lat": 39.8, "lon": 116.3}),  # older than ann's last: out of order
+        ("bob", {"t": now - 5, "lat": 100.0, "lon": 116.4}),  # no such latitude
+        ("bob", {"t": now - 4000, "lat": 39.9, "lon": 116.4}),  # beyond max_update_age_s
+        ("cid", {"t": now - 2, "lat": 39.91, "lon": 116.41}),
+    ]
+    result = await intake.submit_fixes("http", items)
+    assert result.codes == [None, ReasonCode.OUT_OF_ORDER, ReasonCode.INVALID, ReasonCode.TOO_OLD, None]
+    # Stored ahead, then applied: the index, the version and the store agree.
+    assert index.fix("ann") == (39.9, 116.4, now - 5) and index.fix("cid") == (39.91, 116.41, now - 2)
+    assert index.fix("bob") is None
+    assert positions.version == 1 and positions.user_version("ann") == 1
+    stored = movement.fixes_between(0, math.inf)
+    assert stored == [("ann", now - 5, 39.9, 116.4), ("cid", now - 2, 39.91, 116.41)]
+    # A restarted intake (new positions, same store) reloads each present user's latest fix.
+    again = Positions(index=PositionIndex(stale_after_s=60.0, default_profile=PrivacyProfile()))
+    restarted = FixIntake(
+        cloaking=CloakingConfig(), limits=LimitsConfig(), metrics=metrics(), movement=movement, positions=again
+    )
+    assert restarted.restore() == 2
+    assert again.fix("ann") == (39.9, 116.4, now - 5)
+    res = await restarted.submit_fixes("mqtt", [("ann", {"t": now - 6, "lat": 39.9, "lon": 116.4})])
+    assert res.codes == [ReasonCode.OUT_OF_ORDER]  # the restored fix still orders ann's fixes
+
+
+async def test_snapshot_cloaking_runs_on_positions_filled_directly() -> None:
+    now = time.time()
+    positions = positions_of(crowd(40, now))
+    views = Views(positions=positions, metrics=metrics())
+    mode = serving_mode(
+        get_cloaker("hilbert"), positions=positions, views=views, metrics=metrics(), queues=QueuesConfig()
+    )
+    assert isinstance(mode, SnapshotCloaking)
+    task = asyncio.create_task(mode.run())
+    try:
+        out = await asyncio.gather(*(mode.cloak(f"u{i:03d}", PROFILE, Timing()) for i in range(20)))
+        gone = await mode.cloak("nobody", PROFILE, Timing())
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    for i, cloaked in enumerate(out):
+        assert isinstance(cloaked, Cloaked) and cloaked.view is not None
+        lat, lon, _ = positions.fix(f"u{i:03d}") or (0.0, 0.0, 0.0)
+        assert (cloaked.lat, cloaked.lon) == (lat, lon)
+        lon0, lat0, lon1, lat1 = cloaked.region.bbox.to_geojson()
+        assert lon0 < lon < lon1 and lat0 < lat < lat1
+        assert cloaked.region.k_achieved >= PROFILE.k
+    assert gone == Refusal(ReasonCode.STALE_POSITION, "no present position for this user")
+
+
+async def test_held_cloaking_releases_a_clique_from_positions_filled_directly() -> None:
+    now = time.time()
+    fixes = [(f"h{i}", now, 39.9 + i * 1e-4, 116.4 + i * 1e-4) for i in range(3)]
+    positions = positions_of(fixes)
+    views = Views(positions=positions, metrics=metrics())
+    mode = serving_mode(
+        build_cloaker("clique", cloaking=CloakingConfig()),
+        positions=positions,
+        views=views,
+        metrics=metrics(),
+        queues=QueuesConfig(),
+    )
+    assert isinstance(mode, HeldCloaking)
+    profile = PrivacyProfile(k=3, max_area_m2=1e7, max_delay_s=5.0)
+    task = asyncio.create_task(mode.run())
+    try:
+        out = await asyncio.gather(*(mode.cloak(u, profile, Timing()) for u, *_ in fixes))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert all(isinstance(c, Cloaked) for c in out)
+    boxes = {c.region.bbox for c in out if isinstance(c, Cloaked)}
+    assert len(boxes) == 1 and all(c.region.k_achieved == 3 for c in out if isinstance(c, Cloaked))
+
+
+async def test_temporal_cloaking_reads_the_history_of_positions_filled_directly() -> None:
+    now = time.time()
+    fixes = [(f"t{i}", now - 30 + i, 39.9 + i * 1e-5, 116.4 + i * 1e-5) for i in range(6)]
+    positions = positions_of(fixes, history=True)
+    views = Views(positions=positions, metrics=metrics())
+    cloaker = build_cloaker("temporal", cloaking=CloakingConfig())
+    mode = serving_mode(cloaker, positions=positions, views=views, metrics=metrics(), queues=QueuesConfig())
+    assert isinstance(mode, TemporalCloaking)
+    timing = Timing()
+    cloaked = await mode.cloak("t5", PrivacyProfile(k=3, max_area_m2=1e8, max_delay_s=5.0), timing)
+    assert isinstance(cloaked, Cloaked) and cloaked.view is None
+    region = cloaked.region
+    assert region.t_start is not None and region.t_end is not None and region.t_start <= region.t_end
+    assert region.k_achieved >= 3 and region.algorithm == "temporal"
+
+
+class _Counting:
+    """A snapshot cloaker under a name no registry knows: the mode follows what it declares."""
+
+    name: ClassVar[str] = "counting"
+    reciprocal: ClassVar[bool] = False
+    supports_l: ClassVar[bool] = False
+    cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
+    vectorized: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.inner = get_cloaker("nn")
+        self.batches = 0
+
+    def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
+        result: CloakResult = self.inner.cloak(view, row, profile)
+        return result
+
+    def cloak_batch(self, view: IndexView, rows: Any, profiles: ProfileArrays) -> BatchResult:
+        self.batches += 1
+        return cloak_each(self, view, rows, profiles)
+
+
+class _CountingVectorized(_Counting):
+    vectorized: ClassVar[bool] = True
+
+
+@pytest.mark.parametrize("cls", [_Counting, _CountingVectorized])
+async def test_micro_batching_follows_the_declared_capability(cls: type[_Counting]) -> None:
+    now = time.time()
+    positions = positions_of(crowd(60, now))
+    cloaker = cls()
+    mode = serving_mode(
+        cloaker,
+        positions=positions,
+        views=Views(positions=positions, metrics=metrics()),
+        metrics=metrics(),
+        queues=QueuesConfig(),
+    )
+    assert isinstance(mode, SnapshotCloaking)
+    jobs = [mode.cloak(f"u{i:03d}", PROFILE, Timing()) for i in range(2 * BATCH_MIN)]
+    queued = [asyncio.ensure_future(j) for j in jobs]
+    await asyncio.sleep(0)  # every query is queued before the worker starts: one micro-batch
+    task = asyncio.create_task(mode.run())
+    try:
+        out = await asyncio.gather(*queued)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert all(isinstance(c, Cloaked) for c in out)
+    assert cloaker.batches == (1 if cls.vectorized else 0)
