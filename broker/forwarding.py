@@ -21,6 +21,7 @@ from kcloak.broker.upstream import Candidate, SearchRequest, UpstreamClient, Ups
 from kcloak.cloaking.cloakers import Region
 from kcloak.core.geometry import haversine_m
 from kcloak.core.profile import PrivacyProfile, ReasonCode
+from kcloak.core.schemas import FORWARDED
 from kcloak.wire.answers import Answer, AnsweredRegion, PoiResult
 from kcloak.wire.payloads import Query
 
@@ -118,19 +119,22 @@ class Forwarder:
         # (the writer thread drains every queued row before the store closes).
         self.background.spawn(
             self.querylog.record(
-                (
-                    forwarded_t,
-                    q.kind,
-                    q.radius_m,
-                    q.n,
-                    q.category,
-                    *bbox,
-                    region.t_start,
-                    region.t_end,
-                    region.area_m2,
-                    region.k_achieved,
-                    self.algorithm,
-                    outcome,
+                FORWARDED.row(
+                    t=forwarded_t,
+                    kind=q.kind,
+                    radius_m=q.radius_m,
+                    n=q.n,
+                    category=q.category,
+                    min_lon=bbox[0],
+                    min_lat=bbox[1],
+                    max_lon=bbox[2],
+                    max_lat=bbox[3],
+                    t_start=region.t_start,
+                    t_end=region.t_end,
+                    area_m2=region.area_m2,
+                    k_achieved=region.k_achieved,
+                    algorithm=self.algorithm,
+                    outcome=outcome,
                 )
             )
         )

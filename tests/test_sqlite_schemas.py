@@ -227,3 +227,16 @@ def test_stores_refuse_a_file_of_another_schema_version_and_leave_it_alone(
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
         assert conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0
     conn.close()
+
+
+def test_a_row_is_built_by_column_name_and_refuses_missing_or_unknown_columns() -> None:
+    from kcloak.core.schemas import FORWARDED
+
+    values = {name: i for i, name in enumerate(FORWARDED.column_names)}
+    assert FORWARDED.row(**values) == tuple(range(len(FORWARDED.column_names)))
+    shuffled = dict(reversed(list(values.items())))
+    assert FORWARDED.row(**shuffled) == FORWARDED.row(**values)
+    with pytest.raises(ValueError, match="missing columns \\['t'\\]"):
+        FORWARDED.row(**{k: v for k, v in values.items() if k != "t"})
+    with pytest.raises(ValueError, match="unknown columns \\['user'\\]"):
+        FORWARDED.row(**values, user="alice")

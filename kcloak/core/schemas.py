@@ -60,6 +60,18 @@ class Table:
     def column_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns)
 
+    def row(self, **values: object) -> tuple[object, ...]:
+        """One row for :meth:`insert_sql`: the values by column name, in column order.
+
+        A missing or unknown column is a ``ValueError``, so a writer's row cannot drift from the
+        table it is written into."""
+        names = self.column_names
+        if values.keys() != set(names):
+            missing = sorted(set(names) - values.keys())
+            unknown = sorted(values.keys() - set(names))
+            raise ValueError(f"table {self.name}: missing columns {missing}, unknown columns {unknown}")
+        return tuple(values[n] for n in names)
+
     def create_sql(self) -> str:
         """``CREATE TABLE IF NOT EXISTS`` and its indexes (several statements, for ``executescript``)."""
         parts = [c.ddl() for c in self.columns]
