@@ -317,6 +317,39 @@ QUERY_WINDOW = 256
 """Most queries one MQTT client process keeps outstanding in the closed-loop phase."""
 
 
+class _Queries:
+    """The queries of one query worker: ``kcloak/v1/query/{user}`` topics and bodies, the users in
+    turn, for ``duration_s`` from :meth:`begin`; paced at ``rate`` per second, or closed loop when
+    ``rate`` is None."""
+
+    def __init__(self, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str) -> None:
+        self.users = users
+        self.rate = rate
+        self.prefix = f"{tag}-{os.getpid()}-"
+        self.mine = f'"query_id":"{self.prefix}'.encode()
+        """In the answers to this worker's queries (the answer filter also brings the others')."""
+        self.duration_s = duration_s
+        self.start = self.end = 0.0
+        self.sent = 0
+
+    def begin(self) -> None:
+        self.start = time.monotonic()
+        self.end = self.start + self.duration_s
+
+    def running(self) -> bool:
+        return time.monotonic() < self.end
+
+    def delay(self) -> float:
+        """Seconds until the next query is due (0 when closed loop)."""
+        return 0.0 if self.rate is None else max(0.0, self.start + self.sent / self.rate - time.monotonic())
+
+    def next(self) -> tuple[str, bytes]:
+        user = self.users[self.sent % len(self.users)][0]
+        body = {"query_id": f"{self.prefix}{self.sent}", "kind": "knn", "n": 3}
+        self.sent += 1
+        return f"kcloak/v1/query/{user}", json.dumps(body).encode()
+
+
 def _mqtt_query_worker(
     port: int,
     users: list[tuple[str, float, float]],
@@ -334,35 +367,28 @@ def _mqtt_query_worker(
 
     async def main() -> None:
         window = asyncio.Semaphore(QUERY_WINDOW)
-
-        mine = f'"query_id":"{tag}-{os.getpid()}-'.encode()
+        queries = _Queries(users, duration_s, rate, tag)
 
         def on_answers(batch: list[Incoming]) -> None:
-            for m in batch:  # the filter also brings the other client processes' answers
-                if mine in m.payload:
+            for m in batch:
+                if queries.mine in m.payload:
                     window.release()
 
         async with MqttClient(host="127.0.0.1", port=port, client_prefix="bench", on_messages=on_answers) as conn:
             await conn.subscribe(["kcloak/v1/answer/+"])
-            end = time.monotonic() + duration_s
-            start = time.monotonic()
-            i = 0
-            while time.monotonic() < end:
+            queries.begin()
+            while queries.running():
                 if rate is not None:
-                    delay = start + i / rate - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
+                    await asyncio.sleep(queries.delay())
                 else:
                     try:
                         async with asyncio.timeout(1):
                             await window.acquire()
                     except TimeoutError:
                         continue
-                user = users[i % len(users)][0]
-                q = {"query_id": f"{tag}-{os.getpid()}-{i}", "kind": "knn", "n": 3}
-                await conn.send(f"kcloak/v1/query/{user}", json.dumps(q).encode(), qos=0)
-                i += 1
-                if i % 64 == 0:
+                topic, body = queries.next()
+                await conn.send(topic, body, qos=0)
+                if queries.sent % 64 == 0:
                     await asyncio.sleep(0)
             await asyncio.sleep(1)
 
@@ -378,38 +404,26 @@ def _paho_query_worker(
     import paho.mqtt.client as paho
 
     window = threading.Semaphore(QUERY_WINDOW)
-    mine = f'"query_id":"{tag}-{os.getpid()}-'.encode()
     subscribed = threading.Event()
-
-    def on_message(_c: Any, _u: Any, msg: Any) -> None:
-        if mine in msg.payload:
-            window.release()
-
     client = paho.Client(
         paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
         client_id=f"bench-{os.getpid()}",
     )
-    client.on_message = on_message
     client.on_subscribe = lambda *_: subscribed.set()
     client.max_queued_messages_set(0)
     client.connect("127.0.0.1", port)
     client.loop_start()
     client.subscribe("kcloak/v1/answer/+", qos=1)
     subscribed.wait(10)
-    end = time.monotonic() + duration_s
-    start = time.monotonic()
-    i = 0
-    while time.monotonic() < end:
+    queries = _Queries(users, duration_s, rate, tag)
+    client.on_message = lambda _c, _u, msg: window.release() if queries.mine in msg.payload else None
+    queries.begin()
+    while queries.running():
         if rate is not None:
-            delay = start + i / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            time.sleep(queries.delay())
         elif not window.acquire(timeout=1):
             continue
-        user = users[i % len(users)][0]
-        q = {"query_id": f"{tag}-{os.getpid()}-{i}", "kind": "knn", "n": 3}
-        client.publish(f"kcloak/v1/query/{user}", json.dumps(q), qos=0)
-        i += 1
+        client.publish(*queries.next(), qos=0)
     time.sleep(1)
     client.loop_stop()
     client.disconnect()

@@ -34,19 +34,7 @@ from kcloak.wire.mqtt_codec import (
     encode_utf8,
 )
 from tests.broker.conftest import SpyUpstream, broker_config
-
-
-async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """One MQTT packet: (first byte, body)."""
-    first = (await reader.readexactly(1))[0]
-    mult, length = 1, 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length += (byte & 0x7F) * mult
-        mult *= 128
-        if not byte & 0x80:
-            break
-    return first, await reader.readexactly(length)
+from tests.wire.peers import read_packet
 
 
 def publish(topic: str, payload: bytes, pid: int | None, *, retain: bool = False) -> bytes:

@@ -12,58 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kcloak.simulators.transport import MqttClient, MqttMessage, TransportError
-
-
-async def _read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    first = (await reader.readexactly(1))[0]
-    mult, length = 1, 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length += (byte & 0x7F) * mult
-        mult *= 128
-        if not byte & 0x80:
-            break
-    return first, await reader.readexactly(length)
-
-
-def _packet(first: int, body: bytes) -> bytes:
-    assert len(body) < 128
-    return bytes([first, len(body)]) + body
-
-
-class SilentPeer:
-    """Answers CONNECT (and SUBSCRIBE, then ``after_suback``) and then never answers anything."""
-
-    def __init__(self, after_suback: bytes = b"") -> None:
-        self.after_suback = after_suback
-        self.writers: list[asyncio.StreamWriter] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> SilentPeer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for w in self.writers:
-            w.close()
-        assert self._server is not None
-        self._server.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writers.append(writer)
-        first, _ = await _read_packet(reader)
-        assert first >> 4 == 1
-        writer.write(_packet(0x20, b"\x00\x00"))
-        while True:
-            try:
-                first, body = await _read_packet(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            if first >> 4 == 8:  # SUBSCRIBE: granted QoS 1, then the scripted bytes
-                writer.write(_packet(0x90, body[:2] + b"\x01") + self.after_suback)
-            # PINGREQ and everything else: no answer
+from tests.wire.peers import SilentPeer, packet
 
 
 @pytest.fixture
@@ -84,8 +33,8 @@ async def test_client_notices_a_peer_that_stops_answering_pings(silent: SilentPe
 
 async def test_a_topic_length_past_the_frame_end_closes_the_connection() -> None:
     # A PUBLISH (QoS 1) whose topic length (40) runs past its own end into the next packet.
-    lying = _packet(0x32, struct.pack("!H", 40) + b"t/a" + b"\x00\x07")
-    honest = _packet(0x30, struct.pack("!H", 6) + b"t/next" + b"n" * 40)
+    lying = packet(0x32, struct.pack("!H", 40) + b"t/a" + b"\x00\x07")
+    honest = packet(0x30, struct.pack("!H", 6) + b"t/next" + b"n" * 40)
     got: list[MqttMessage] = []
     async with (
         SilentPeer(after_suback=lying + honest) as peer,

@@ -19,6 +19,7 @@ from kcloak.wire.mqtt_codec import (
     read_str,
     split_frames,
 )
+from tests.wire.peers import SilentPeer
 
 
 def _head(packet: bytes, have: int | None = None) -> tuple[str, bytes | None, int] | None:
@@ -58,34 +59,9 @@ def test_qos3_publish_and_strings_past_their_packet_are_malformed() -> None:
     assert encode_ack(PUBREL, 0x0102) == b"\x62\x02\x01\x02"  # PUBREL's reserved flags 0010
 
 
-class HalfOpenPeer:
-    """Accepts CONNECT, sends CONNACK, then reads and answers nothing (a peer gone without a FIN)."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self.writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> HalfOpenPeer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for w in self.writers:
-            w.close()
-        assert self._server is not None
-        self._server.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writers.append(writer)
-        await reader.read(1024)  # the CONNECT
-        writer.write(b"\x20\x02\x00\x00")
-
-
 async def test_half_open_connection_is_noticed_within_keepalive_plus_deadline() -> None:
     async with (
-        HalfOpenPeer() as peer,
+        SilentPeer() as peer,
         MqttClient(host="127.0.0.1", port=peer.port, keepalive_s=2, ping_timeout_s=0.4) as c,
     ):
         started = time.monotonic()
@@ -99,7 +75,7 @@ async def test_half_open_connection_is_noticed_within_keepalive_plus_deadline() 
 
 
 async def test_pending_publishes_fail_when_the_connection_is_found_dead() -> None:
-    async with HalfOpenPeer() as peer, MqttClient(host="127.0.0.1", port=peer.port, keepalive_s=1) as c:
+    async with SilentPeer() as peer, MqttClient(host="127.0.0.1", port=peer.port, keepalive_s=1) as c:
         with pytest.raises(MqttError, match="no PINGRESP"):
             async with asyncio.timeout(5):
                 await c.publish("t/a", b"never acknowledged", qos=1)
