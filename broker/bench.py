@@ -43,6 +43,7 @@ class BrokerBenchConfig:
     mqtt: str | None = None  # None: mosquitto if on PATH, else embedded
     algorithm: str = "hilbert"
     client_processes: int = 2
+    mqtt_client: str = "kcloak"  # the load generators' MQTT client: kcloak's own, or paho
 
 
 def _positions(users: int, seed: int) -> list[tuple[str, float, float]]:
@@ -198,7 +199,32 @@ def wait_healthy(port: int, timeout: float = 30.0) -> None:
 
 
 # -- load generators (run in child processes) ------------------------------------------------------
-def _mqtt_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
+def _mqtt_update_worker(
+    port: int, users: list[tuple[str, float, float]], duration_s: float, client: str = "kcloak"
+) -> None:
+    """Fixes at QoS 0 as fast as the ``client`` (``kcloak``: kcloak's MQTT client; ``paho``) sends them."""
+    if client == "paho":
+        _paho_update_worker(port, users, duration_s)
+        return
+    from kcloak.wire.mqtt_client import MqttClient
+
+    async def main() -> None:
+        async with MqttClient(host="127.0.0.1", port=port, client_prefix="bench") as conn:
+            end = time.monotonic() + duration_s
+            i = 0
+            n = len(users)
+            while time.monotonic() < end:
+                for _ in range(1000):
+                    user, lat, lon = users[i % n]
+                    payload = json.dumps({"t": time.time(), "lat": lat, "lon": lon}).encode()
+                    await conn.send(f"kcloak/v1/update/{user}", payload, qos=0)
+                    i += 1
+                await asyncio.sleep(0)  # let the socket drain
+
+    asyncio.run(main())
+
+
+def _paho_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
     import paho.mqtt.client as paho
 
     client = paho.Client(
@@ -291,58 +317,116 @@ QUERY_WINDOW = 256
 """Most queries one MQTT client process keeps outstanding in the closed-loop phase."""
 
 
+class _Queries:
+    """The queries of one query worker: ``kcloak/v1/query/{user}`` topics and bodies, the users in
+    turn, for ``duration_s`` from :meth:`begin`; paced at ``rate`` per second, or closed loop when
+    ``rate`` is None."""
+
+    def __init__(self, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str) -> None:
+        self.users = users
+        self.rate = rate
+        self.prefix = f"{tag}-{os.getpid()}-"
+        self.mine = f'"query_id":"{self.prefix}'.encode()
+        """In the answers to this worker's queries (the answer filter also brings the others')."""
+        self.duration_s = duration_s
+        self.start = self.end = 0.0
+        self.sent = 0
+
+    def begin(self) -> None:
+        self.start = time.monotonic()
+        self.end = self.start + self.duration_s
+
+    def running(self) -> bool:
+        return time.monotonic() < self.end
+
+    def delay(self) -> float:
+        """Seconds until the next query is due (0 when closed loop)."""
+        return 0.0 if self.rate is None else max(0.0, self.start + self.sent / self.rate - time.monotonic())
+
+    def next(self) -> tuple[str, bytes]:
+        user = self.users[self.sent % len(self.users)][0]
+        body = {"query_id": f"{self.prefix}{self.sent}", "kind": "knn", "n": 3}
+        self.sent += 1
+        return f"kcloak/v1/query/{user}", json.dumps(body).encode()
+
+
 def _mqtt_query_worker(
-    port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
+    port: int,
+    users: list[tuple[str, float, float]],
+    duration_s: float,
+    rate: float | None,
+    tag: str,
+    client: str = "kcloak",
 ) -> None:
-    """Queries at QoS 0 and answers read with the lean MQTT client (paho reads a byte at a time,
-    which would make this process the bottleneck); at most :data:`QUERY_WINDOW` queries outstanding when closed-loop."""
-    from kcloak.wire.mqtt_client import Incoming, IntakeConnection
+    """Queries at QoS 0 and answers read with the ``client`` (``kcloak``: kcloak's MQTT client;
+    ``paho``); at most :data:`QUERY_WINDOW` queries outstanding when closed-loop (``rate`` None)."""
+    if client == "paho":
+        _paho_query_worker(port, users, duration_s, rate, tag)
+        return
+    from kcloak.wire.mqtt_client import Incoming, MqttClient
 
     async def main() -> None:
         window = asyncio.Semaphore(QUERY_WINDOW)
-
-        mine = f'"query_id":"{tag}-{os.getpid()}-'.encode()
+        queries = _Queries(users, duration_s, rate, tag)
 
         def on_answers(batch: list[Incoming]) -> None:
-            for m in batch:  # the filter also brings the other client processes' answers
-                if mine in m.payload:
+            for m in batch:
+                if queries.mine in m.payload:
                     window.release()
 
-        conn = IntakeConnection(
-            host="127.0.0.1",
-            port=port,
-            username=None,
-            password=None,
-            filters=["kcloak/v1/answer/+"],
-            on_messages=on_answers,
-        )
-        reader = await conn.start()
-        end = time.monotonic() + duration_s
-        start = time.monotonic()
-        i = 0
-        while time.monotonic() < end:
-            if rate is not None:
-                delay = start + i / rate - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            else:
-                try:
-                    async with asyncio.timeout(1):
-                        await window.acquire()
-                except TimeoutError:
-                    continue
-            user = users[i % len(users)][0]
-            q = {"query_id": f"{tag}-{os.getpid()}-{i}", "kind": "knn", "n": 3}
-            conn.publish_qos0(f"kcloak/v1/query/{user}", json.dumps(q).encode())
-            i += 1
-            if i % 64 == 0:
-                await asyncio.sleep(0)
-        await asyncio.sleep(1)
-        reader.cancel()
-        with contextlib.suppress(BaseException):
-            await reader
+        async with MqttClient(host="127.0.0.1", port=port, client_prefix="bench", on_messages=on_answers) as conn:
+            await conn.subscribe(["kcloak/v1/answer/+"])
+            queries.begin()
+            while queries.running():
+                if rate is not None:
+                    await asyncio.sleep(queries.delay())
+                else:
+                    try:
+                        async with asyncio.timeout(1):
+                            await window.acquire()
+                    except TimeoutError:
+                        continue
+                topic, body = queries.next()
+                await conn.send(topic, body, qos=0)
+                if queries.sent % 64 == 0:
+                    await asyncio.sleep(0)
+            await asyncio.sleep(1)
 
     asyncio.run(main())
+
+
+def _paho_query_worker(
+    port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
+) -> None:
+    """:func:`_mqtt_query_worker` with paho-mqtt (its network thread reads the answers)."""
+    import threading
+
+    import paho.mqtt.client as paho
+
+    window = threading.Semaphore(QUERY_WINDOW)
+    subscribed = threading.Event()
+    client = paho.Client(
+        paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
+        client_id=f"bench-{os.getpid()}",
+    )
+    client.on_subscribe = lambda *_: subscribed.set()
+    client.max_queued_messages_set(0)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    client.subscribe("kcloak/v1/answer/+", qos=1)
+    subscribed.wait(10)
+    queries = _Queries(users, duration_s, rate, tag)
+    client.on_message = lambda _c, _u, msg: window.release() if queries.mine in msg.payload else None
+    queries.begin()
+    while queries.running():
+        if rate is not None:
+            time.sleep(queries.delay())
+        elif not window.acquire(timeout=1):
+            continue
+        client.publish(*queries.next(), qos=0)
+    time.sleep(1)
+    client.loop_stop()
+    client.disconnect()
 
 
 def _run_workers(target: Any, args_for: list[tuple[Any, ...]]) -> None:
@@ -477,7 +561,7 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
             mqtt_updates = _measure(
                 http_port,
                 _mqtt_update_worker,
-                [(mqtt_port, part, d) for part in _split(users, parts)],
+                [(mqtt_port, part, d, cfg.mqtt_client) for part in _split(users, parts)],
                 "kcloak_updates_accepted_total",
                 'transport="mqtt"',
             )
@@ -497,12 +581,13 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
             ):
                 _quiesce(http_port)
                 _preload(http_port, users)
+                extra = (cfg.mqtt_client,) if transport == "mqtt" else ()
                 say(f"{transport} queries")
                 # Sustained = answered ok; refusals (overloaded above all) are reported beside it.
                 qps, refused_qps = _measure_all(
                     http_port,
                     worker,
-                    [(port, part, d, None, f"max{i}") for i, part in enumerate(_split(users, parts))],
+                    [(port, part, d, None, f"max{i}", *extra) for i, part in enumerate(_split(users, parts))],
                     "kcloak_queries_total",
                     [(f'transport="{transport}"', 'status="ok"'), (f'transport="{transport}"', 'status="refused"')],
                 )
@@ -513,7 +598,10 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 if qps > 0:
                     _run_workers(
                         worker,
-                        [(port, part, d, qps / 2 / parts, f"lat{i}") for i, part in enumerate(_split(users, parts))],
+                        [
+                            (port, part, d, qps / 2 / parts, f"lat{i}", *extra)
+                            for i, part in enumerate(_split(users, parts))
+                        ],
                     )
                     _quiesce(http_port)
                 after = scrape(http_port)
@@ -523,6 +611,7 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                     {
                         "transport": transport,
                         "mqtt": label,
+                        "mqtt_client": cfg.mqtt_client,
                         "users": cfg.users,
                         "updates_per_s": round(mqtt_updates if transport == "mqtt" else http_updates, 1),
                         "queries_per_s": round(qps, 1),

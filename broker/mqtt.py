@@ -6,9 +6,9 @@ and acknowledges it only once dispatch says it is durable, and answers and statu
 through :meth:`MqttServer.publish`. No child process, no client connection, nothing that outlives
 ``kill -9``. External (``mqtt://…``): intake connections subscribe to the four ingest filters (QoS 1;
 ``$share/kcloak/…`` when there are several); one more connection publishes answers and status
-messages, with the retained ``down`` status as its last will. Both speak MQTT 3.1.1 through the lean
-asyncio client of :mod:`kcloak.wire.mqtt_client` (paho, under aiomqtt, reads one packet per event-loop
-turn, a byte at a time, which capped the broker far below its targets). Each message is parsed and
+messages, with the retained ``down`` status as its last will. Both are kcloak's one MQTT 3.1.1
+client, :class:`kcloak.wire.mqtt_client.MqttClient` (docs/mqtt.md, "One client"), reconnecting
+with a backoff that restarts at its shortest wait after each successful connection. Each message is parsed and
 handed to the same :class:`~kcloak.broker.pipeline.Pipeline` as HTTP. Malformed input is dropped and
 counted, never fatal, never visible to other users.
 """
@@ -33,7 +33,7 @@ from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
 from kcloak.broker.stores import StoreError
 from kcloak.core.profile import ProfileError
-from kcloak.wire.mqtt_client import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from kcloak.wire.mqtt_client import Backoff, Incoming, MqttClient, MqttError
 from kcloak.wire.payloads import MalformedJson, parse_json_object, valid_query_id, valid_user_id
 
 log = logging.getLogger("kcloak.mqtt")
@@ -80,7 +80,7 @@ class MqttDoor:
         self.state = state
         self.metrics = pipeline.metrics
         self._server: MqttServer | None = None
-        self._publisher: PublishConnection | None = None
+        self._publisher: MqttClient | None = None
         self._publish_ready = asyncio.Event()
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,43 +137,42 @@ class MqttDoor:
                 server.publish(STATUS_TOPIC, self._status("down"), retain=True)
 
     async def _publisher_loop(self) -> None:
-        backoff = 0.2
+        backoff = Backoff()
+        down = json.dumps({"state": "down", "t": None}).encode()
         while True:
-            pub = PublishConnection(
-                host=self.host,
-                port=self.port,
-                username=self.username,
-                password=self.password,
-                will_topic=STATUS_TOPIC,
-                will_payload=json.dumps({"state": "down", "t": None}).encode(),
-            )
             try:
-                async with pub:
+                async with MqttClient(
+                    host=self.host,
+                    port=self.port,
+                    username=self.username,
+                    password=self.password,
+                    client_prefix="kcloak-pub",
+                    will=(STATUS_TOPIC, down),
+                    window=65000,
+                ) as pub:
                     self._publisher = pub
                     await pub.publish(STATUS_TOPIC, self._status("up"), qos=1, retain=True)
                     self._publish_ready.set()
                     self.state["mqtt"] = "connected"
                     self.state.pop("mqtt_down_since", None)
                     self.metrics.mqtt_connected.set(1)
-                    backoff = 0.2
+                    backoff.reset()
                     try:
-                        await asyncio.shield(pub.closed)
+                        await pub.wait_closed()
                     except asyncio.CancelledError:
                         with contextlib.suppress(Exception):
                             await asyncio.wait_for(
                                 pub.publish(STATUS_TOPIC, self._status("down"), qos=1, retain=True), 2
                             )
                         raise
-                    raise MqttIntakeError("publisher connection closed")
-            except MqttIntakeError:
+            except MqttError:
                 self._publish_ready.clear()
                 self._publisher = None
                 self.state["mqtt"] = "disconnected"
                 self.state.setdefault("mqtt_down_since", time.monotonic())
                 self.metrics.mqtt_connected.set(0)
                 log_event(log, "mqtt_disconnected", logging.WARNING, connection="publish")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
 
     def _status(self, state: str) -> bytes:
         cfg = self.config
@@ -188,31 +187,29 @@ class MqttDoor:
         ).encode()
 
     async def _intake_loop(self, i: int) -> None:
-        backoff = [0.2]
+        backoff = Backoff()
         share = self.connections > 1
         filters = [f"$share/kcloak/{ROOT}{t}/+" if share else f"{ROOT}{t}/+" for t in TOPICS]
-
-        def connected() -> None:
-            backoff[0] = 0.2  # an outage after hours of service starts again at the shortest wait
-
+        persistent = self.config.mqtt.mode.startswith("mqtt://")
         while True:
-            conn = IntakeConnection(
-                host=self.host,
-                port=self.port,
-                username=self.username,
-                password=self.password,
-                filters=filters,
-                on_messages=self._dispatch_batch,
-                on_too_large=lambda topic: self.dropped(topic, "too_large"),
-                client_id=intake_client_id(self.config, i) if self.config.mqtt.mode.startswith("mqtt://") else None,
-                max_packet=self.config.limits.batch_bytes + 64 * 1024,
-            )
             try:
-                await conn.run(connected)
-            except MqttIntakeError:
+                async with MqttClient(
+                    host=self.host,
+                    port=self.port,
+                    username=self.username,
+                    password=self.password,
+                    client_id=intake_client_id(self.config, i) if persistent else None,
+                    client_prefix="kcloak-in",
+                    on_messages=self._dispatch_batch,
+                    on_too_large=lambda topic: self.dropped(topic, "too_large"),
+                    max_packet=self.config.limits.batch_bytes + 64 * 1024,
+                ) as conn:
+                    await conn.subscribe(filters)
+                    backoff.reset()  # an outage after hours of service starts again at the shortest wait
+                    await conn.wait_closed()
+            except MqttError:
                 log_event(log, "mqtt_disconnected", logging.WARNING, connection="intake")
-                await asyncio.sleep(backoff[0])
-                backoff[0] = min(backoff[0] * 2, 5.0)
+                await backoff.wait()
 
     async def publish(self, topic: str, payload: dict[str, Any]) -> None:
         if self._server is not None:
@@ -230,32 +227,32 @@ class MqttDoor:
             return
         try:
             await publisher.publish(topic, json.dumps(payload, separators=(",", ":")).encode(), qos=1)
-        except MqttIntakeError:
+        except MqttError:
             log_event(log, "mqtt_publish_failed", logging.WARNING)
 
     async def publish_confirmed(self, topic: str, payload: bytes, *, timeout_s: float = 10.0) -> None:
         """Publish at QoS 1 and return once the MQTT broker acknowledged it (published windows).
 
-        Raises :class:`MqttIntakeError` when not connected or when no PUBACK came within ``timeout_s``.
+        Raises :class:`MqttError` when not connected or when no PUBACK came within ``timeout_s``.
         The embedded server takes it at once (queued for offline persistent sessions).
         """
         if self._server is not None:
             if not self._server.listening:
-                raise MqttIntakeError("embedded MQTT server stopped")
+                raise MqttError("embedded MQTT server stopped")
             self._server.publish(topic, payload)
             return
         try:
             await self.wait_connected(timeout_s)
         except TimeoutError:
-            raise MqttIntakeError("not connected") from None
+            raise MqttError("not connected") from None
         publisher = self._publisher
         if publisher is None:
-            raise MqttIntakeError("not connected")
+            raise MqttError("not connected")
         try:
             async with asyncio.timeout(timeout_s):
                 await publisher.publish(topic, payload, qos=1)
         except TimeoutError:
-            raise MqttIntakeError("no PUBACK in time") from None
+            raise MqttError("no PUBACK in time") from None
 
     # -- dispatch ------------------------------------------------------------------------------
     def _drop(self, topic: str, reason: str) -> None:

@@ -8,7 +8,8 @@ Python library offers an embeddable broker that lets the application decide when
 module speaks exactly kcloak's interface: input topics go to ``dispatch`` and nowhere else, a QoS 1
 input is acknowledged only once ``dispatch`` says it is durable, in arrival order (MQTT 3.1.1
 §4.6), and the only messages ever delivered to subscribers are kcloak's own (:meth:`MqttServer.publish`).
-Apps keep speaking standard MQTT 3.1.1; the wire codec is :mod:`kcloak.wire.mqtt_client`'s.
+Apps keep speaking standard MQTT 3.1.1; the wire codec is :mod:`kcloak.wire.mqtt_codec`, the
+one kcloak's MQTT client uses too.
 """
 
 from __future__ import annotations
@@ -26,27 +27,37 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
-from kcloak.wire.mqtt_client import (
-    CONNACK,
+from kcloak.wire.mqtt_codec import (
     CONNECT,
     DISCONNECT,
     MAX_REMAINING_LENGTH,
     PINGREQ,
-    PINGRESP,
+    PINGRESP_PACKET,
     PUBACK,
+    PUBCOMP,
     PUBLISH,
-    SUBACK,
+    PUBREC,
+    PUBREL,
     SUBSCRIBE,
+    UNSUBACK,
+    UNSUBSCRIBE,
     MalformedFrame,
+    encode_ack,
+    encode_connack,
     encode_packet,
-    encode_utf8,
+    encode_publish,
+    encode_suback,
+    publish_head,
+    read_bytes,
+    read_header,
+    read_str,
+    read_u16,
     split_frames,
 )
 from kcloak.wire.payloads import valid_user_id
 
 log = logging.getLogger("kcloak.mqtt_server")
 
-PUBREC, PUBREL, PUBCOMP, UNSUBSCRIBE, UNSUBACK = 5, 6, 7, 10, 11
 PROTOCOL_LEVEL = 4
 """MQTT 3.1.1; any other level (3 = MQIsdp 3.1, 5 = MQTT 5) is refused with CONNACK 0x01."""
 
@@ -59,46 +70,6 @@ MAX_CONNECT_BYTES = 128 * 1024
 """Largest CONNECT (its will included) and most bytes buffered before a client has authenticated."""
 
 Dispatch = Callable[[str, bytes, bool], Awaitable[object] | None]
-
-
-class _Malformed(ValueError):
-    """A packet that breaks MQTT 3.1.1: the connection that sent it is closed."""
-
-
-def _u16(buf: bytearray, pos: int, end: int) -> int:
-    if pos + 2 > end:
-        raise _Malformed("truncated")
-    return (buf[pos] << 8) | buf[pos + 1]
-
-
-def _bin(buf: bytearray, pos: int, end: int) -> tuple[bytes, int]:
-    n = _u16(buf, pos, end)
-    if pos + 2 + n > end:
-        raise _Malformed("truncated")
-    return bytes(buf[pos + 2 : pos + 2 + n]), pos + 2 + n
-
-
-def _str(buf: bytearray, pos: int, end: int) -> tuple[str, int]:
-    raw, pos = _bin(buf, pos, end)
-    try:
-        s = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Malformed("not UTF-8") from None
-    if "\x00" in s:
-        raise _Malformed("NUL in a string")
-    return s, pos
-
-
-def _declared_length(buf: bytearray) -> tuple[int, int] | None:
-    """Remaining length and fixed-header size of the packet at the head of ``buf`` (None: incomplete)."""
-    mult, length = 1, 0
-    for i in range(1, min(len(buf), 5)):
-        byte = buf[i]
-        length += (byte & 0x7F) * mult
-        if not byte & 0x80:
-            return length, i + 1
-        mult *= 128
-    return None
 
 
 def valid_topic_name(topic: str) -> bool:
@@ -124,12 +95,6 @@ def topic_matches(flt: str, topic: str) -> bool:
         if i >= len(t) or (level != "+" and level != t[i]):
             return False
     return len(f) == len(t)
-
-
-def _publish_packet(topic: str, payload: bytes, *, qos: int, pid: int, retain: bool, dup: bool = False) -> bytes:
-    flags = (0x08 if dup else 0) | (qos << 1) | (1 if retain else 0)
-    body = encode_utf8(topic) + (struct.pack("!H", pid) if qos else b"") + payload
-    return encode_packet(PUBLISH, flags, body)
 
 
 class _Session:
@@ -175,7 +140,7 @@ class _Session:
                 if conn.congested():
                     server._count_drop("slow_subscriber")
                 else:
-                    conn.write(_publish_packet(topic, payload, qos=0, pid=0, retain=retain))
+                    conn.write(encode_publish(topic, payload, qos=0, pid=0, retain=retain))
             return
         self.queue.append((topic, payload, retain))
         self.queued_bytes += len(payload)
@@ -201,7 +166,7 @@ class _Session:
             pid = self._new_pid()
             self.inflight[pid] = (topic, payload)
             self.inflight_bytes += len(payload)
-            conn.write(_publish_packet(topic, payload, qos=1, pid=pid, retain=retain))
+            conn.write(encode_publish(topic, payload, qos=1, pid=pid, retain=retain))
 
     def acked(self, pid: int) -> None:
         msg = self.inflight.pop(pid, None)
@@ -214,7 +179,7 @@ class _Session:
         conn = self.conn
         assert conn is not None
         for pid, (topic, payload) in self.inflight.items():
-            conn.write(_publish_packet(topic, payload, qos=1, pid=pid, retain=False, dup=True))
+            conn.write(encode_publish(topic, payload, qos=1, pid=pid, retain=False, dup=True))
         self.pump()
 
     def _new_pid(self) -> int:
@@ -305,7 +270,7 @@ class _Connection(asyncio.Protocol):
         self.buf += data
         try:
             self._process()
-        except (ValueError, IndexError):  # _Malformed, or a field that overruns its packet
+        except (ValueError, IndexError):  # MalformedFrame, or a field that overruns its packet
             self.close("malformed")
 
     # -- inbound --------------------------------------------------------------------------------
@@ -315,10 +280,7 @@ class _Connection(asyncio.Protocol):
     def _process(self) -> None:
         buf = self.buf
         while self.state != _CLOSED:
-            try:
-                frames, pos = split_frames(buf, MAX_REMAINING_LENGTH)
-            except MalformedFrame:
-                raise _Malformed("bad remaining length") from None
+            frames, pos = split_frames(buf, MAX_REMAINING_LENGTH)
             for first, i, end in frames:
                 if end - i > self._limit():
                     self._oversize(first, i, end - i)
@@ -327,22 +289,17 @@ class _Connection(asyncio.Protocol):
                 if self.state == _CLOSED:
                     return
             del buf[:pos]
-            head = _declared_length(buf) if buf else None
+            head = read_header(buf, 0) if buf else None
             if head is None:
-                if len(buf) >= 5:
-                    raise _Malformed("bad remaining length")
                 return
             length, hlen = head
             if length <= self._limit():
                 return
             # An oversize packet is never buffered whole: read its topic and packet id, then skip it.
             if buf[0] >> 4 != PUBLISH or self.state != _OPEN:
-                raise _Malformed("oversize packet")
-            if len(buf) < hlen + 2:
-                return
-            need = hlen + 2 + ((buf[hlen] << 8) | buf[hlen + 1]) + (2 if (buf[0] >> 1) & 3 else 0)
-            if len(buf) < need:
-                return
+                raise MalformedFrame("oversize packet")
+            if publish_head(buf, buf[0], hlen, hlen + length, len(buf)) is None:
+                return  # its topic and packet id are not all here yet (at most 64 KiB)
             total = hlen + length
             self._oversize(buf[0], hlen, length)
             self.skip = max(0, total - len(buf))
@@ -351,15 +308,15 @@ class _Connection(asyncio.Protocol):
     def _oversize(self, first: int, i: int, length: int) -> None:
         """A PUBLISH over ``max_packet_bytes``: dropped ``too_large`` and acknowledged."""
         if first >> 4 != PUBLISH or self.state != _OPEN:
-            raise _Malformed("oversize packet")
+            raise MalformedFrame("oversize packet")
         qos = (first >> 1) & 3
         if qos == 3:
-            raise _Malformed("QoS 3")
-        topic, pos = _str(self.buf, i, i + length)
+            raise MalformedFrame("QoS 3")
+        topic, pos = read_str(self.buf, i, i + length)
         if not valid_topic_name(topic):
-            raise _Malformed("bad topic name")
+            raise MalformedFrame("bad topic name")
         if qos:
-            pid = _u16(self.buf, pos, i + length)
+            pid = read_u16(self.buf, pos, i + length)
             self._ack(PUBACK if qos == 1 else PUBREC, pid, None)
         parsed = input_topic(topic)
         if parsed is not None:
@@ -372,67 +329,67 @@ class _Connection(asyncio.Protocol):
         kind = first >> 4
         if self.state == _WAIT_CONNECT:
             if kind != CONNECT:
-                raise _Malformed("first packet is not CONNECT")
+                raise MalformedFrame("first packet is not CONNECT")
             self._on_connect(i, end)
             return
         if kind == PUBLISH:
             self._on_publish(first, i, end)
         elif kind == PUBACK:
             if self.session is not None:
-                self.session.acked(_u16(self.buf, i, end))
+                self.session.acked(read_u16(self.buf, i, end))
         elif kind == PUBREL:
-            pid = _u16(self.buf, i, end)
+            pid = read_u16(self.buf, i, end)
             if self.session is not None:
                 self.session.qos2.pop(pid, None)
             self._ack(PUBCOMP, pid, None)
         elif kind in (SUBSCRIBE, UNSUBSCRIBE):
             if first & 0x0F != 2:
-                raise _Malformed("SUBSCRIBE flags")
+                raise MalformedFrame("SUBSCRIBE flags")
             if kind == SUBSCRIBE:
                 self._on_subscribe(i, end)
             else:
                 self._on_unsubscribe(i, end)
         elif kind == PINGREQ:
-            self.write(bytes([PINGRESP << 4, 0]))
+            self.write(PINGRESP_PACKET)
         elif kind == DISCONNECT:  # a clean end: no will
             self.will = None
             self.close("client")
         else:
-            raise _Malformed("unexpected packet")
+            raise MalformedFrame("unexpected packet")
 
     def _on_connect(self, i: int, end: int) -> None:
         buf, server = self.buf, self.server
-        name, pos = _str(buf, i, end)
+        name, pos = read_str(buf, i, end)
         if name not in ("MQTT", "MQIsdp") or pos + 4 > end:
-            raise _Malformed("not an MQTT CONNECT")
+            raise MalformedFrame("not an MQTT CONNECT")
         level, flags = buf[pos], buf[pos + 1]
-        keepalive = _u16(buf, pos + 2, end)
+        keepalive = read_u16(buf, pos + 2, end)
         pos += 4
         if level != PROTOCOL_LEVEL:
             self._refuse(UNACCEPTABLE_PROTOCOL, "protocol_version")
             return
         will_flag, will_qos, will_retain = flags & 0x04, (flags >> 3) & 3, flags & 0x20
         if flags & 0x01 or will_qos == 3 or (not will_flag and (will_qos or will_retain)):
-            raise _Malformed("connect flags")
+            raise MalformedFrame("connect flags")
         if flags & 0x40 and not flags & 0x80:
-            raise _Malformed("password without user name")
+            raise MalformedFrame("password without user name")
         clean = bool(flags & 0x02)
-        client_id, pos = _str(buf, pos, end)
+        client_id, pos = read_str(buf, pos, end)
         will: tuple[str, bytes, bool] | None = None
         if will_flag:
-            will_topic, pos = _str(buf, pos, end)
-            will_payload, pos = _bin(buf, pos, end)
+            will_topic, pos = read_str(buf, pos, end)
+            will_payload, pos = read_bytes(buf, pos, end)
             if not valid_topic_name(will_topic):
-                raise _Malformed("bad will topic")
+                raise MalformedFrame("bad will topic")
             will = (will_topic, will_payload, bool(will_retain))
         username: str | None = None
         password: bytes | None = None
         if flags & 0x80:
-            username, pos = _str(buf, pos, end)
+            username, pos = read_str(buf, pos, end)
         if flags & 0x40:
-            password, pos = _bin(buf, pos, end)
+            password, pos = read_bytes(buf, pos, end)
         if pos != end:
-            raise _Malformed("trailing bytes in CONNECT")
+            raise MalformedFrame("trailing bytes in CONNECT")
         user: str | None = None
         if server.tokens is not None:
             if username is None or password is None:
@@ -472,28 +429,28 @@ class _Connection(asyncio.Protocol):
         session.conn = self
         self.counted = True
         server.metrics.mqtt_connections.inc()
-        self.write(bytes([CONNACK << 4, 2, 1 if present else 0, ACCEPTED]))
+        self.write(encode_connack(present, ACCEPTED))
         if keepalive:
             self.timer = self.loop.call_later(keepalive * 1.5, self._check_keepalive)
         session.resend()
 
     def _refuse(self, code: int, reason: str) -> None:
         self.server._refused(reason)
-        self.write(bytes([CONNACK << 4, 2, 0, code]))
+        self.write(encode_connack(False, code))
         self.close("refused")
 
     def _on_publish(self, first: int, i: int, end: int) -> None:
         qos, retain = (first >> 1) & 3, bool(first & 1)
         if qos == 3:
-            raise _Malformed("QoS 3")
-        topic, pos = _str(self.buf, i, end)
+            raise MalformedFrame("QoS 3")
+        topic, pos = read_str(self.buf, i, end)
         if not valid_topic_name(topic):
-            raise _Malformed("bad topic name")
+            raise MalformedFrame("bad topic name")
         pid = 0
         if qos:
-            pid = _u16(self.buf, pos, end)
+            pid = read_u16(self.buf, pos, end)
             if pid == 0:
-                raise _Malformed("packet id 0")
+                raise MalformedFrame("packet id 0")
             pos += 2
         session = self.session
         assert session is not None
@@ -509,14 +466,14 @@ class _Connection(asyncio.Protocol):
 
     def _on_subscribe(self, i: int, end: int) -> None:
         buf, server = self.buf, self.server
-        pid = _u16(buf, i, end)
+        pid = read_u16(buf, i, end)
         pos = i + 2
         granted: list[tuple[str, int]] = []
         codes = bytearray()
         while pos < end:
-            flt, pos = _str(buf, pos, end)
+            flt, pos = read_str(buf, pos, end)
             if pos >= end or buf[pos] & 0xFC:
-                raise _Malformed("SUBSCRIBE options")
+                raise MalformedFrame("SUBSCRIBE options")
             requested = buf[pos]
             pos += 1
             if valid_topic_filter(flt) and server.may_subscribe(self.user, flt):
@@ -527,8 +484,8 @@ class _Connection(asyncio.Protocol):
                 server.metrics.mqtt_subscriptions_refused.inc()
                 codes.append(0x80)
         if not codes:
-            raise _Malformed("empty SUBSCRIBE")
-        self.write(encode_packet(SUBACK, 0, struct.pack("!H", pid) + bytes(codes)))
+            raise MalformedFrame("empty SUBSCRIBE")
+        self.write(encode_suback(pid, bytes(codes)))
         session = self.session
         assert session is not None
         for flt, qos in granted:
@@ -538,14 +495,14 @@ class _Connection(asyncio.Protocol):
                     session.deliver(topic, payload, qos, retain=True)
 
     def _on_unsubscribe(self, i: int, end: int) -> None:
-        pid = _u16(self.buf, i, end)
+        pid = read_u16(self.buf, i, end)
         pos = i + 2
         filters: list[str] = []
         while pos < end:
-            flt, pos = _str(self.buf, pos, end)
+            flt, pos = read_str(self.buf, pos, end)
             filters.append(flt)
         if not filters:
-            raise _Malformed("empty UNSUBSCRIBE")
+            raise MalformedFrame("empty UNSUBSCRIBE")
         assert self.session is not None
         for flt in filters:
             self.server._unsubscribe(self.session, flt)
@@ -556,7 +513,7 @@ class _Connection(asyncio.Protocol):
         if not self.acks and (fut is None or fut.done()):
             if fut is not None and not self._durable(fut):
                 return
-            self.write(bytes([kind << 4, 2, pid >> 8, pid & 0xFF]))
+            self.write(encode_ack(kind, pid))
             return
         self.acks.append((kind, pid, fut))
         if len(self.acks) == 1:
@@ -579,7 +536,7 @@ class _Connection(asyncio.Protocol):
                 if not self._durable(fut):
                     return
             acks.popleft()
-            out += bytes([kind << 4, 2, pid >> 8, pid & 0xFF])
+            out += encode_ack(kind, pid)
         if out:
             self.write(bytes(out))
         if self.reading_paused and len(acks) <= self.server.max_pending_acks // 2 and self.transport is not None:

@@ -60,7 +60,7 @@ from kcloak.broker.stores import GroupCommitWriter, MovementStore
 from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
 from kcloak.core.schemas import FIXES, WINDOWS, WindowState
 from kcloak.streams.publish import METHODS, Release, anonymize
-from kcloak.wire.mqtt_client import MqttIntakeError
+from kcloak.wire.mqtt_client import MqttError
 
 log = logging.getLogger("kcloak.publication")
 
@@ -468,7 +468,7 @@ class WindowPublisher:
                 try:
                     for payload in parts:
                         await self.send(TOPIC, payload)
-                except (MqttIntakeError, OSError, TimeoutError) as exc:
+                except (MqttError, OSError, TimeoutError) as exc:
                     log_event(log, "window_send_failed", logging.WARNING, window_id=window_id, error=type(exc).__name__)
                     return
             await self.ledger.mark_sent(window_id, self.clock())

@@ -31,6 +31,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--algorithm", default="hilbert", metavar="NAME", help="cloaking algorithm (hilbert)")
     p.add_argument("--clients", type=int, default=2, metavar="N", help="client processes (2)")
+    p.add_argument(
+        "--client",
+        choices=("kcloak", "paho"),
+        default="kcloak",
+        help="MQTT client of the load generators: kcloak's own (default) or paho-mqtt",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         mqtt=args.mqtt,
         algorithm=args.algorithm,
         client_processes=args.clients,
+        mqtt_client=args.client,
     )
     err = Console(stderr=True)
     report = run_broker_bench(cfg, log=lambda msg: err.print(f"[dim]phase:[/dim] {msg}"))

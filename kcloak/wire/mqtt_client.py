@@ -1,15 +1,14 @@
-"""A lean MQTT 3.1.1 subscriber for the intake connections (contract §3).
+"""kcloak's one MQTT 3.1.1 client (contract §3): the broker's intake and publishing connections to
+an external MQTT broker, and the simulators' connections to kcloak, all go through :class:`MqttClient`.
 
-aiomqtt (paho underneath) reads one packet per event-loop turn, a byte at a time, which caps
-intake at a few thousand messages per second. Intake only needs CONNECT, SUBSCRIBE, PUBLISH
-(QoS 0 and 1, with PUBACK), PINGREQ and DISCONNECT, so this client speaks exactly that over an
-asyncio protocol: it parses every packet in each chunk the socket delivers and acknowledges them
-in one write. Answers and status messages go out through :class:`PublishConnection`.
+Why hand-written (docs/mqtt.md, "One client"): paho reads one packet per event-loop turn, a byte
+at a time; this client parses every packet of each chunk the socket delivers over an asyncio
+protocol, and writes what one loop turn produced (PUBACKs, publishes) in one system call.
 
-Durability over an external broker: with a stable ``client_id`` the intake session is persistent
-(clean session off), and a QoS 1 message is acknowledged only once the callback's completion for
-it is done (the fix committed), in the order the messages arrived (MQTT 3.1.1 §4.6). Whatever was
-not acknowledged when kcloak died is redelivered by the MQTT broker to the next run.
+Durability over an external broker: with a stable ``client_id`` the session is persistent (clean
+session off), and a received QoS 1 message is acknowledged only once the completion the caller
+returned for it is done (the fix committed), in the order the messages arrived (MQTT 3.1.1 §4.6).
+Whatever was not acknowledged when kcloak died is redelivered by the MQTT broker to the next run.
 """
 
 from __future__ import annotations
@@ -18,220 +17,405 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, cast
 
 from kcloak.broker.logs import log_event
-
-CONNECT, CONNACK, PUBLISH, PUBACK, SUBSCRIBE, SUBACK, PINGREQ, PINGRESP, DISCONNECT = 1, 2, 3, 4, 8, 9, 12, 13, 14
+from kcloak.wire.mqtt_codec import (
+    DISCONNECT_PACKET,
+    MAX_REMAINING_LENGTH,
+    PINGREQ_PACKET,
+    PUBACK,
+    PUBLISH,
+    MalformedFrame,
+    encode_connect,
+    encode_publish,
+    encode_subscribe,
+    publish_head,
+    read_header,
+)
 
 log = logging.getLogger("kcloak.mqtt")
 
+_PUBACK_HEAD = bytes([PUBACK << 4, 2])
+_FLUSH_BYTES = 64 * 1024
+"""Buffered outgoing bytes written at once rather than at the end of the loop turn."""
 
-class MqttIntakeError(ConnectionError):
-    """The MQTT broker refused us or the connection broke."""
+
+class MqttError(ConnectionError):
+    """The MQTT broker is unreachable, refused us, broke the protocol or stopped answering, or the
+    connection is gone."""
 
 
 @dataclass(frozen=True, slots=True)
 class Incoming:
+    """One PUBLISH received from the MQTT broker."""
+
     topic: str
     payload: bytes
-    qos: int
-    retain: bool
+    qos: int = 0
+    retain: bool = False
 
 
-def encode_remaining_length(n: int) -> bytes:
-    """MQTT's variable-length "remaining length" field."""
-    out = bytearray()
-    while True:
-        byte = n % 128
-        n //= 128
-        if n:
-            byte |= 0x80
-        out.append(byte)
-        if not n:
-            return bytes(out)
+class Backoff:
+    """Waits between reconnection attempts: ``first_s``, doubling up to ``max_s``; :meth:`reset`
+    after a successful connection, so an outage after hours of service starts again at the shortest."""
+
+    def __init__(self, first_s: float = 0.2, max_s: float = 5.0) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.next_s = first_s
+
+    def reset(self) -> None:
+        self.next_s = self.first_s
+
+    async def wait(self) -> None:
+        delay, self.next_s = self.next_s, min(self.next_s * 2, self.max_s)
+        await asyncio.sleep(delay)
 
 
-def encode_utf8(s: str) -> bytes:
-    """An MQTT UTF-8 string: two length bytes, then the bytes."""
-    b = s.encode("utf-8")
-    return struct.pack("!H", len(b)) + b
+class MqttClient(asyncio.Protocol):
+    """One MQTT 3.1.1 connection (async context manager): entering connects and waits for the
+    CONNACK, leaving stops the keep-alive and disconnects, whatever happened inside. One object
+    serves one connection; reconnecting is a new object (see :class:`Backoff`).
 
-
-def encode_packet(kind: int, flags: int, body: bytes) -> bytes:
-    """A whole MQTT control packet: fixed header, remaining length, body."""
-    return bytes([(kind << 4) | flags]) + encode_remaining_length(len(body)) + body
-
-
-def encode_connect(
-    client_id: str,
-    *,
-    username: str | None,
-    password: str | None,
-    keepalive_s: int,
-    will: tuple[str, bytes] | None = None,
-    clean_session: bool = True,
-) -> bytes:
-    """An MQTT 3.1.1 CONNECT, by default with a clean session; a ``will`` (topic, payload) is QoS 1
-    and retained. A password is sent only with a username (MQTT 3.1.1 §3.1.2.9)."""
-    flags = 0x02 if clean_session else 0
-    payload = encode_utf8(client_id)
-    if will is not None:
-        topic, message = will
-        flags |= 0x04 | (1 << 3) | 0x20  # will, will QoS 1, will retain
-        payload += encode_utf8(topic) + struct.pack("!H", len(message)) + message
-    if username is not None:
-        flags |= 0x80
-        payload += encode_utf8(username)
-        if password is not None:
-            flags |= 0x40
-            payload += encode_utf8(password)
-    body = encode_utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", keepalive_s) + payload
-    return encode_packet(CONNECT, 0, body)
-
-
-MAX_REMAINING_LENGTH = 268_435_455
-"""The largest remaining length four bytes can encode (MQTT 3.1.1 §2.2.3)."""
-
-
-class MalformedFrame(ValueError):
-    """A remaining length longer than four bytes, or a packet over the allowed size."""
-
-
-def read_header(buf: bytearray, pos: int) -> tuple[int, int] | None:
-    """The remaining length and the body start of the packet that starts at ``buf[pos]``, or None
-    while its fixed header is incomplete. Raises :class:`MalformedFrame` for a remaining length over
-    four bytes."""
-    mult, length, i, n = 1, 0, pos + 1, len(buf)
-    while True:
-        if i >= pos + 5:
-            raise MalformedFrame("remaining length over four bytes")
-        if i >= n:
-            return None
-        byte = buf[i]
-        length += (byte & 0x7F) * mult
-        i += 1
-        if not byte & 0x80:
-            return length, i
-        mult *= 128
-
-
-def split_frames(buf: bytearray, max_packet: int = MAX_REMAINING_LENGTH) -> tuple[list[tuple[int, int, int]], int]:
-    """The complete control packets at the head of ``buf``, as ``(first byte, body start, body end)``,
-    and how many bytes they span (an incomplete packet at the end stays for the next chunk).
-
-    Raises :class:`MalformedFrame` for a remaining length over four bytes or over ``max_packet``.
-    """
-    frames: list[tuple[int, int, int]] = []
-    pos, n = 0, len(buf)
-    while n - pos >= 2:
-        head = read_header(buf, pos)
-        if head is None:
-            break
-        length, i = head
-        if length > max_packet:
-            raise MalformedFrame("packet too large")
-        end = i + length
-        if end > n:
-            break
-        frames.append((buf[pos], i, end))
-        pos = end
-    return frames, pos
-
-
-PUBACK_HEAD = bytes([PUBACK << 4, 2])
-
-
-def publish_head(buf: bytearray, first: int, i: int, end: int, have: int) -> tuple[str, bytes | None, int] | None:
-    """Topic, packet id (None at QoS 0) and payload start of the PUBLISH whose body spans
-    ``buf[i:end]``, of which ``buf[:have]`` has arrived; None until they have arrived. Raises
-    :class:`MalformedFrame` when the topic (or packet id) would run past the packet."""
-    if end - i < 2:
-        raise MalformedFrame("PUBLISH without a topic")
-    if have - i < 2:
-        return None
-    j = i + 2 + ((buf[i] << 8) | buf[i + 1])
-    start = j + 2 if first & 0x06 else j
-    if start > end:
-        raise MalformedFrame("topic beyond the packet")
-    if start > have:
-        return None
-    topic = bytes(buf[i + 2 : j]).decode("utf-8", "replace")
-    return topic, (bytes(buf[j:start]) if start > j else None), start
-
-
-class _Protocol(asyncio.Protocol):
-    """Parses an intake connection's packets; acknowledges QoS 1 messages once they are durable.
-
-    ``on_message`` gets each chunk's messages in arrival order and may return a list with one
-    entry per message: None (acknowledge now) or a future (acknowledge once it is done; a
-    cancelled one is never acknowledged: that is shutdown, and the MQTT broker redelivers the
-    message to the next run). Any other return value acknowledges the whole batch now. PUBACKs
-    leave in the order the PUBLISHes arrived, all that are ready in one write.
-
-    A PUBLISH over ``max_packet`` is skipped as it streams in: its topic and packet id are read,
-    the rest is discarded unbuffered, ``on_too_large(topic)`` counts it and it is acknowledged in
-    turn. No exception from a callback reaches the transport (which would close the connection).
-    Reading pauses while ``max_unacked`` messages wait for their completion.
+    Keyword-only arguments:
+        host, port: the MQTT broker.
+        username, password: credentials, or None (a password is sent only with a username).
+        client_id: None (default) for a random ``{client_prefix}-…`` id with a clean session; a
+            stable id makes the session persistent (clean session off), so the MQTT broker keeps
+            what was not acknowledged across reconnects and restarts, and redelivers it.
+        clean_session: overrides the choice above; default None.
+        client_prefix: prefix of a random client id; default ``"kcloak"``.
+        will: (topic, payload) published QoS 1 retained if the connection dies; default None.
+        keepalive_s: MQTT keep-alive; a PINGREQ every half of it; default 30.
+        ping_timeout_s: no PINGRESP within it (while reading is not paused, which would hold the
+            PINGRESP back) and the connection is dead: aborted, :attr:`error` set, :attr:`closed`
+            resolved; default ``keepalive_s / 2``.
+        connect_timeout_s: longest wait for CONNACK and SUBACK; default 10.
+        on_messages: called on the event loop with each chunk's PUBLISHes in arrival order; it may
+            return a list with one entry per message: None (acknowledge now) or a future
+            (acknowledge once it is done; a failed one too, a cancelled one never: that is shutdown,
+            and the MQTT broker redelivers the message to the next run). Any other return value
+            acknowledges the whole batch now. PUBACKs leave in arrival order. An exception in it
+            is logged and the batch acknowledged: it never ends the connection. Default None.
+        on_too_large: called with the topic of each PUBLISH over ``max_packet``, which is skipped
+            as it streams in (never buffered) and acknowledged in turn; default None.
+        max_packet: largest packet read whole; default 2 MiB.
+        max_unacked: received QoS 1 messages waiting for their completion before reading pauses;
+            default 50,000.
+        window: most QoS 1 publishes awaiting their PUBACK (:meth:`send` and :meth:`publish` wait
+            beyond it); default 2,000, at most 65,000.
     """
 
     def __init__(
         self,
-        on_message: Callable[[list[Incoming]], object],
-        max_packet: int,
+        *,
+        host: str,
+        port: int,
+        username: str | None = None,
+        password: str | None = None,
+        client_id: str | None = None,
+        clean_session: bool | None = None,
+        client_prefix: str = "kcloak",
+        will: tuple[str, bytes] | None = None,
+        keepalive_s: int = 30,
+        ping_timeout_s: float | None = None,
+        connect_timeout_s: float = 10.0,
+        on_messages: Callable[[list[Incoming]], object] | None = None,
         on_too_large: Callable[[str], object] | None = None,
+        max_packet: int = 2 * 1024 * 1024,
         max_unacked: int = 50_000,
+        window: int = 2000,
     ) -> None:
-        loop = asyncio.get_running_loop()
-        self.on_message = on_message
+        if not 1 <= window <= 65000:
+            raise ValueError("window: must be within [1, 65000]")
+        self.host = host
+        self.port = port
+        self.username = username
+        self.password = password
+        self.client_id = client_id or f"{client_prefix}-{secrets.token_hex(6)}"
+        self.clean_session = client_id is None if clean_session is None else clean_session
+        self.will = will
+        self.keepalive_s = keepalive_s
+        self.ping_timeout_s = keepalive_s / 2 if ping_timeout_s is None else ping_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.on_messages = on_messages
         self.on_too_large = on_too_large
-        self.max_packet = max_packet
+        self.max_packet = min(max_packet, MAX_REMAINING_LENGTH)
         self.max_unacked = max_unacked
-        self.buf = bytearray()
-        self.skip = 0  # bytes of an oversize PUBLISH still to discard
-        self.transport: asyncio.Transport | None = None
-        self.connack: asyncio.Future[int] = loop.create_future()
-        self.suback: asyncio.Future[bytes] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()
-        self.ping_outstanding = False
-        self.paused = False
-        # QoS 1 messages not acknowledged yet, in arrival order: (packet id, completion or None).
-        self.unacked: deque[tuple[bytes, asyncio.Future[Any] | None]] = deque()
+        self.window = window
+        self.published = 0
+        self.acknowledged = 0
+        self.error: MqttError | None = None
+        """Why the connection ended, once it has (None: still open, or closed by us)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._skip = 0  # bytes of an oversize PUBLISH still to discard
+        self._connack: asyncio.Future[int] = loop.create_future()
+        self._closed: asyncio.Future[None] = loop.create_future()
+        # Pending acknowledgements, keyed by packet id (None: a publish nobody awaits).
+        self._pubacks: dict[int, asyncio.Future[None] | None] = {}
+        self._subacks: dict[int, asyncio.Future[bytes]] = {}
+        self._next_id = 0
+        self._slots = asyncio.Semaphore(window)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._pong = asyncio.Event()
+        self._pinger: asyncio.Task[None] | None = None
+        # Received QoS 1 messages not acknowledged yet, in arrival order: (packet id, completion or None).
+        self._unacked: deque[tuple[bytes, asyncio.Future[Any] | None]] = deque()
         self._watched: set[asyncio.Future[Any]] = set()
         self._release_scheduled = False
+        self._reading_paused = False
 
+    # -- the context manager --------------------------------------------------------------------
+    async def __aenter__(self) -> MqttClient:
+        try:
+            await self._loop.create_connection(lambda: self, self.host, self.port)
+        except OSError as exc:
+            raise MqttError(f"cannot connect to the MQTT broker ({exc.strerror or type(exc).__name__})") from None
+        packet = encode_connect(
+            self.client_id,
+            username=self.username,
+            password=self.password,
+            keepalive_s=self.keepalive_s,
+            will=self.will,
+            clean_session=self.clean_session,
+        )
+        self._write(packet)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                code = await self._connack
+        except TimeoutError:
+            self._close()
+            raise MqttError("the MQTT broker did not answer CONNECT") from None
+        except BaseException:
+            self._close()
+            raise
+        if code != 0:
+            self._close()
+            raise MqttError(f"connection refused by the MQTT broker (code {code})")
+        if self.keepalive_s > 0:
+            self._pinger = asyncio.create_task(self._keepalive())
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pinger
+        t = self._transport
+        if t is not None and not t.is_closing():
+            self._flush()
+            t.write(DISCONNECT_PACKET)
+        self._close()
+
+    # -- public operations ----------------------------------------------------------------------
+    @property
+    def closed(self) -> asyncio.Future[None]:
+        """Resolves (with None) when the connection ends, whoever ended it; :attr:`error` says why."""
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        """QoS 1 publishes sent and not yet acknowledged."""
+        return len(self._pubacks)
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection ends; raise :class:`MqttError` saying why."""
+        await asyncio.shield(self._closed)
+        raise self.error or MqttError("connection closed")
+
+    async def subscribe(self, filters: list[str], *, qos: int = 1) -> bytes:
+        """Subscribe and wait for the SUBACK; the granted codes, one per filter. A refused filter
+        raises :class:`MqttError`."""
+        self._live()
+        pid = self._packet_id()
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        self._subacks[pid] = fut
+        self._write(encode_subscribe(pid, filters, qos))
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                granted = await fut
+        except TimeoutError:
+            raise MqttError("the MQTT broker did not answer SUBSCRIBE") from None
+        finally:
+            self._subacks.pop(pid, None)
+        if any(g == 0x80 for g in granted):
+            raise MqttError("subscription refused by the MQTT broker")
+        return granted
+
+    async def send(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        """Publish without waiting for the PUBACK; waits only for a window slot and socket buffer room."""
+        await self._publish(topic, payload, qos, retain, None)
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        """Publish and, at QoS 1, wait for the MQTT broker's PUBACK (:class:`MqttError` if the
+        connection ends first)."""
+        if qos == 0:
+            await self._publish(topic, payload, 0, retain, None)
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        await self._publish(topic, payload, qos, retain, fut)
+        await fut
+
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every QoS 1 publish is acknowledged; False on timeout or a lost connection."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._pubacks and not self._closed.done():
+                    self._idle.clear()
+                    idle: asyncio.Future[Any] = asyncio.ensure_future(self._idle.wait())
+                    try:
+                        waiters: set[asyncio.Future[Any]] = {idle, self._closed}
+                        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        idle.cancel()
+        except TimeoutError:
+            return False
+        return not self._pubacks and not self._closed.done()
+
+    # -- internals: sending ---------------------------------------------------------------------
+    async def _publish(
+        self, topic: str, payload: bytes, qos: int, retain: bool, fut: asyncio.Future[None] | None
+    ) -> None:
+        self._live()
+        if not self._writable.is_set():
+            await self._writable.wait()
+            self._live()
+        if qos == 0:
+            self._write(encode_publish(topic, payload, retain=retain))
+            self.published += 1
+            return
+        await self._slots.acquire()
+        self._live()
+        pid = self._packet_id()
+        self._pubacks[pid] = fut
+        self._idle.clear()
+        self._write(encode_publish(topic, payload, qos=qos, pid=pid, retain=retain))
+        self.published += 1
+
+    def _live(self) -> asyncio.Transport:
+        t = self._transport
+        if t is None or t.is_closing():
+            raise self.error or MqttError("MQTT connection lost")
+        return t
+
+    def _packet_id(self) -> int:
+        for _ in range(65535):
+            self._next_id = self._next_id % 65535 + 1
+            if self._next_id not in self._pubacks and self._next_id not in self._subacks:
+                return self._next_id
+        raise MqttError("too many publishes in flight")  # pragma: no cover - the window prevents it
+
+    def _write(self, packet: bytes) -> None:
+        """Queue a packet; what one event-loop turn queues leaves in one write (sooner past 64 KiB)."""
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(packet)
+        self._out_bytes += len(packet)
+        if self._out_bytes >= _FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        self._out_bytes = 0
+        t = self._transport
+        if out and t is not None and not t.is_closing():
+            t.write(b"".join(out))
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _fail(self, error: MqttError, *, abort: bool = True) -> None:
+        """End the connection because of ``error`` (kept in :attr:`error`)."""
+        if self.error is None:
+            self.error = error
+        t = self._transport
+        if t is not None:
+            if abort:
+                t.abort()
+            else:
+                t.close()
+
+    async def _keepalive(self) -> None:
+        """A PINGREQ every half keep-alive; no PINGRESP within ``ping_timeout_s``: the connection is
+        half open (the peer vanished without a FIN, or hangs), so it is aborted."""
+        interval = delay = self.keepalive_s / 2
+        while True:
+            await asyncio.sleep(delay)
+            t = self._transport
+            if t is None or t.is_closing():
+                return
+            started = self._loop.time()
+            self._pong.clear()
+            self._write(PINGREQ_PACKET)
+            try:
+                async with asyncio.timeout(self.ping_timeout_s):
+                    await self._pong.wait()
+            except TimeoutError:
+                if not self._reading_paused and not t.is_closing():
+                    log_event(log, "mqtt_ping_timeout", logging.WARNING)
+                    self._fail(MqttError("no PINGRESP from the MQTT broker"))
+                    return
+            delay = max(0.0, interval - (self._loop.time() - started))
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
-        self.transport = cast(asyncio.Transport, transport)
+        self._transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for fut in (self.connack, self.suback):
-            if not fut.done():
-                fut.set_exception(MqttIntakeError("connection lost"))
+        err = self.error or MqttError("MQTT connection lost")
+        if not self._connack.done():
+            self._connack.set_exception(err)
+        for waiters in (self._pubacks, self._subacks):
+            for fut in waiters.values():
+                if fut is not None and not fut.done():
+                    fut.set_exception(err)
+            waiters.clear()
+        self._idle.set()
+        self._writable.set()
         # What was not acknowledged stays with the MQTT broker, which redelivers it (persistent session).
-        self.unacked.clear()
-        for fut in self._watched:
-            fut.remove_done_callback(self._completed)
+        self._unacked.clear()
+        for done in self._watched:
+            done.remove_done_callback(self._completed)
         self._watched.clear()
-        if not self.closed.done():
-            self.closed.set_result(None)
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
 
     def data_received(self, data: bytes) -> None:
-        if self.skip:
-            if len(data) <= self.skip:
-                self.skip -= len(data)
+        if self._skip:
+            if len(data) <= self._skip:
+                self._skip -= len(data)
                 return
-            data = data[self.skip :]
-            self.skip = 0
-        buf = self.buf
+            data = data[self._skip :]
+            self._skip = 0
+        buf = self._buf
         buf += data
         batch: list[Incoming] = []
         plan: list[tuple[bytes, int]] = []  # QoS 1 packet ids in arrival order, with their batch index or -1
         pos, n = 0, len(buf)
+        acked = 0
         try:
             while n - pos >= 2:
                 head = read_header(buf, pos)
@@ -251,38 +435,66 @@ class _Protocol(asyncio.Protocol):
                         plan.append((pid, -1))
                     self._too_large(topic)
                     if end > n:
-                        self.skip, pos = end - n, n
+                        self._skip, pos = end - n, n
                         break
                     pos = end
                     continue
                 if end > n:
                     break
-                if kind == PUBLISH:
-                    got = publish_head(buf, first, i, end, end)
-                    assert got is not None  # the whole packet is here
-                    topic, pid, start = got
-                    if pid is not None:
-                        plan.append((pid, len(batch)))
-                    batch.append(Incoming(topic, bytes(buf[start:end]), (first >> 1) & 3, bool(first & 1)))
-                elif kind == PINGRESP:
-                    self.ping_outstanding = False
-                elif kind == CONNACK and not self.connack.done():
-                    self.connack.set_result(buf[i + 1] if end - i >= 2 else 255)
-                elif kind == SUBACK and not self.suback.done():
-                    self.suback.set_result(bytes(buf[i + 2 : end]))
+                match kind:
+                    case 3:  # PUBLISH
+                        got = publish_head(buf, first, i, end, end)
+                        assert got is not None  # the whole packet is here
+                        topic, pid, start = got
+                        if pid is not None:
+                            plan.append((pid, len(batch)))
+                        batch.append(Incoming(topic, bytes(buf[start:end]), (first >> 1) & 3, bool(first & 1)))
+                    case 4:  # PUBACK
+                        if end - i < 2:
+                            raise MalformedFrame("PUBACK without a packet id")
+                        key = (buf[i] << 8) | buf[i + 1]
+                        if key in self._pubacks:
+                            fut = self._pubacks.pop(key)
+                            acked += 1
+                            if fut is not None and not fut.done():
+                                fut.set_result(None)
+                    case 13:  # PINGRESP
+                        self._pong.set()
+                    case 2:  # CONNACK
+                        if not self._connack.done():
+                            self._connack.set_result(buf[i + 1] if end - i >= 2 else 255)
+                    case 9:  # SUBACK
+                        if end - i < 2:
+                            raise MalformedFrame("SUBACK without a packet id")
+                        sub = self._subacks.get((buf[i] << 8) | buf[i + 1])
+                        if sub is not None and not sub.done():
+                            sub.set_result(bytes(buf[i + 2 : end]))
+                    case _:
+                        pass  # nothing else is meant for a client at QoS ≤ 1; ignored
                 pos = end
-        except MalformedFrame:
-            self._fail()
+        except MalformedFrame as exc:
+            log_event(log, "mqtt_malformed_packet", logging.WARNING)
+            self._fail(MqttError(f"malformed packet from the MQTT broker ({exc})"))
             return
         del buf[:pos]
+        if acked:
+            self._acked(acked)
         results: object = None
-        if batch:
+        if batch and self.on_messages is not None:
             try:
-                results = self.on_message(batch)
+                results = self.on_messages(batch)
             except Exception as exc:  # a bug in the callback must not end everyone's connection
                 log_event(log, "mqtt_callback_failed", logging.ERROR, error=type(exc).__name__)
         if plan:
             self._plan_acks(plan, results if isinstance(results, list) and len(results) == len(batch) else None)
+
+    # -- internals: acknowledging what we received, in order ------------------------------------
+    def _acked(self, n: int) -> None:
+        self.acknowledged += n
+        for _ in range(n):
+            self._slots.release()
+        if not self._pubacks:
+            self._idle.set()
 
     def _too_large(self, topic: str) -> None:
         if self.on_too_large is not None:
@@ -292,7 +504,7 @@ class _Protocol(asyncio.Protocol):
                 log_event(log, "mqtt_callback_failed", logging.ERROR, error=type(exc).__name__)
 
     def _plan_acks(self, plan: list[tuple[bytes, int]], results: list[object] | None) -> None:
-        unacked, watched = self.unacked, self._watched
+        unacked, watched = self._unacked, self._watched
         for pid, index in plan:
             done = results[index] if results is not None and index >= 0 else None
             if not isinstance(done, asyncio.Future):
@@ -303,318 +515,37 @@ class _Protocol(asyncio.Protocol):
                 done.add_done_callback(self._completed)
             unacked.append((pid, done))
         self._release()
-        if len(unacked) >= self.max_unacked and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
+        if len(unacked) >= self.max_unacked and not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
 
     def _completed(self, fut: asyncio.Future[Any]) -> None:
         self._watched.discard(fut)
         if not self._release_scheduled:
             # Completions of one loop turn leave in one write.
             self._release_scheduled = True
-            asyncio.get_running_loop().call_soon(self._release)
+            self._loop.call_soon(self._release)
 
     def _release(self) -> None:
         """Acknowledge the messages at the head of the queue whose completion is done, in order."""
         self._release_scheduled = False
-        unacked = self.unacked
+        unacked = self._unacked
         out = bytearray()
         while unacked:
             pid, done = unacked[0]
             if done is not None and (not done.done() or done.cancelled()):
                 break
             unacked.popleft()
-            out += PUBACK_HEAD
+            out += _PUBACK_HEAD
             out += pid
-        transport = self.transport
+        transport = self._transport
         if transport is None or transport.is_closing():
             return
         if out:
-            transport.write(bytes(out))
-        if self.paused and len(unacked) < self.max_unacked // 2:
-            self.paused = False
+            self._write(bytes(out))
+        if self._reading_paused and len(unacked) < self.max_unacked // 2:
+            self._reading_paused = False
             transport.resume_reading()
 
-    def _fail(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
-
-class IntakeConnection:
-    """One subscribing connection; :meth:`run` delivers message batches until the connection ends.
-
-    Keyword arguments: ``host``, ``port``, ``username``/``password`` (or None), ``filters``
-    (topic filters, subscribed at QoS 1), ``on_messages`` (called with each batch, in order; it
-    may return one completion per message, see :class:`_Protocol`: a QoS 1 message is
-    acknowledged only once its completion is done), ``on_too_large`` (called with the topic of
-    each PUBLISH over ``max_packet``, which is skipped and acknowledged; None), ``client_id``
-    (None: a random id with a clean session; a stable id makes the session persistent, so the
-    MQTT broker keeps what was not acknowledged across reconnects and restarts and redelivers
-    it), ``keepalive_s`` (30; a PINGREQ every half of it, and no PINGRESP by the next one ends
-    the connection), ``max_packet`` (2 MiB).
-    """
-
-    def __init__(
-        self,
-        *,
-        host: str,
-        port: int,
-        username: str | None,
-        password: str | None,
-        filters: list[str],
-        on_messages: Callable[[list[Incoming]], object],
-        on_too_large: Callable[[str], object] | None = None,
-        client_id: str | None = None,
-        keepalive_s: int = 30,
-        max_packet: int = 2 * 1024 * 1024,
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.username = username
-        self.password = password
-        self.filters = filters
-        self.on_messages = on_messages
-        self.on_too_large = on_too_large
-        self.client_id = client_id
-        self.keepalive_s = keepalive_s
-        self.max_packet = max_packet
-        self._transport: asyncio.Transport | None = None
-
-    def publish_qos0(self, topic: str, payload: bytes) -> None:
-        """Send a QoS 0 PUBLISH on this connection (load generators; answers use aiomqtt)."""
-        if self._transport is None or self._transport.is_closing():
-            raise MqttIntakeError("not connected")
-        self._transport.write(encode_packet(PUBLISH, 0, encode_utf8(topic) + payload))
-
-    async def start(self) -> asyncio.Task[None]:
-        """:meth:`run` in a task, returned once subscribed; raises :class:`MqttIntakeError` (or what
-        :meth:`run` raised) if the connection ends before that, instead of waiting forever."""
-        ready = asyncio.Event()
-        task = asyncio.create_task(self.run(ready.set))
-        waiter = asyncio.create_task(ready.wait())
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if not ready.is_set():
-            waiter.cancel()
-            await task  # raises why the connection ended
-            raise MqttIntakeError("connection closed before subscribing")
-        return task
-
-    async def run(self, connected: Callable[[], None] | None = None) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            transport, proto = await loop.create_connection(
-                lambda: _Protocol(self.on_messages, self.max_packet, self.on_too_large), self.host, self.port
-            )
-        except OSError as exc:
-            raise MqttIntakeError(f"cannot connect ({exc.strerror})") from None
-        try:
-            transport.write(self._connect_packet())
-            async with asyncio.timeout(10):
-                code = await proto.connack
-            if code != 0:
-                raise MqttIntakeError(f"connection refused by the MQTT broker (code {code})")
-            body = struct.pack("!H", 1) + b"".join(encode_utf8(f) + b"\x01" for f in self.filters)
-            transport.write(encode_packet(SUBSCRIBE, 2, body))
-            async with asyncio.timeout(10):
-                granted = await proto.suback
-            if any(g == 0x80 for g in granted):
-                raise MqttIntakeError("subscription refused by the MQTT broker")
-            self._transport = transport
-            if connected is not None:
-                connected()
-            while not proto.closed.done():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.keepalive_s / 2):
-                        await asyncio.shield(proto.closed)
-                if proto.closed.done():
-                    break
-                if proto.ping_outstanding and not proto.paused:
-                    # Half open: the peer is gone without a FIN (reading paused holds the PINGRESP back).
-                    log_event(log, "mqtt_ping_timeout", logging.WARNING, connection="intake")
-                    transport.abort()
-                    raise MqttIntakeError("no PINGRESP from the MQTT broker")
-                proto.ping_outstanding = True
-                transport.write(bytes([PINGREQ << 4, 0]))
-            raise MqttIntakeError("connection closed")
-        finally:
-            if not transport.is_closing():
-                with contextlib.suppress(Exception):
-                    transport.write(bytes([DISCONNECT << 4, 0]))
-                transport.close()
-
-    def _connect_packet(self) -> bytes:
-        return encode_connect(
-            self.client_id or f"kcloak-in-{secrets.token_hex(6)}",
-            username=self.username,
-            password=self.password,
-            keepalive_s=self.keepalive_s,
-            clean_session=self.client_id is None,
-        )
-
-
-class _PubProtocol(asyncio.Protocol):
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.buf = bytearray()
-        self.transport: asyncio.Transport | None = None
-        self.connack: asyncio.Future[int] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()
-        self.pending: dict[int, asyncio.Future[None]] = {}
-        self.ping_outstanding = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the interface without subclassing asyncio.Transport.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.connack.done():
-            self.connack.set_exception(MqttIntakeError("connection lost"))
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(MqttIntakeError("connection lost"))
-        self.pending.clear()
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        try:
-            frames, pos = split_frames(buf, max_packet=127)  # the broker sends us only short packets
-        except MalformedFrame:
-            if self.transport is not None:
-                self.transport.close()
-            return
-        for first, i, end in frames:
-            kind = first >> 4
-            if kind == PUBACK and end - i >= 2:
-                fut = self.pending.pop((buf[i] << 8) | buf[i + 1], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            elif kind == PINGRESP:
-                self.ping_outstanding = False
-            elif kind == CONNACK and not self.connack.done():
-                self.connack.set_result(buf[i + 1] if end - i >= 2 else 255)
-        del buf[:pos]
-
-
-class PublishConnection:
-    """A lean MQTT 3.1.1 publisher (QoS 0/1, PUBACKs matched in bulk) with a retained last will.
-
-    ``async with PublishConnection(...) as pub: await pub.publish(topic, payload)`` waits for the
-    broker's PUBACK on QoS 1. :attr:`closed` resolves when the connection ends, also when a
-    PINGREQ (every ``keepalive_s`` / 2) goes unanswered until the next one.
-    """
-
-    def __init__(
-        self,
-        *,
-        host: str,
-        port: int,
-        username: str | None,
-        password: str | None,
-        will_topic: str | None = None,
-        will_payload: bytes = b"",
-        keepalive_s: int = 30,
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.username = username
-        self.password = password
-        self.will_topic = will_topic
-        self.will_payload = will_payload
-        self.keepalive_s = keepalive_s
-        self._proto: _PubProtocol | None = None
-        self._transport: asyncio.Transport | None = None
-        self._next_id = 0
-        self._pinger: asyncio.Task[None] | None = None
-        # Publishes made in one event-loop turn leave in one write (one system call, not one each).
-        self._out: list[bytes] = []
-
-    async def __aenter__(self) -> PublishConnection:
-        loop = asyncio.get_running_loop()
-        try:
-            transport, proto = await loop.create_connection(_PubProtocol, self.host, self.port)
-        except OSError as exc:
-            raise MqttIntakeError(f"cannot connect ({exc.strerror})") from None
-        self._transport, self._proto = transport, proto
-        transport.write(self._connect_packet())
-        try:
-            async with asyncio.timeout(10):
-                code = await proto.connack
-        except BaseException:
-            transport.close()
-            raise
-        if code != 0:
-            transport.close()
-            raise MqttIntakeError(f"connection refused by the MQTT broker (code {code})")
-        self._pinger = asyncio.create_task(self._ping())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._pinger is not None:
-            self._pinger.cancel()
-        if self._transport is not None and not self._transport.is_closing():
-            self._flush()
-            self._transport.write(bytes([DISCONNECT << 4, 0]))
-            self._transport.close()
-
-    def _write(self, packet: bytes) -> None:
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(packet)
-
-    def _flush(self) -> None:
-        out, self._out = self._out, []
-        if out and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(b"".join(out))
-
-    @property
-    def closed(self) -> asyncio.Future[None]:
-        assert self._proto is not None
-        return self._proto.closed
-
-    async def _ping(self) -> None:
-        """A PINGREQ every half keepalive; none answered by the next one: the connection is half
-        open (the peer vanished without a FIN), so it is aborted and :attr:`closed` resolves."""
-        proto, transport = self._proto, self._transport
-        assert proto is not None and transport is not None
-        while not transport.is_closing():
-            await asyncio.sleep(self.keepalive_s / 2)
-            if transport.is_closing():
-                return
-            if proto.ping_outstanding:
-                log_event(log, "mqtt_ping_timeout", logging.WARNING, connection="publish")
-                transport.abort()
-                return
-            proto.ping_outstanding = True
-            transport.write(bytes([PINGREQ << 4, 0]))
-
-    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        proto, transport = self._proto, self._transport
-        if proto is None or transport is None or transport.is_closing():
-            raise MqttIntakeError("not connected")
-        flags = (qos << 1) | (1 if retain else 0)
-        if qos == 0:
-            self._write(encode_packet(PUBLISH, flags, encode_utf8(topic) + payload))
-            return
-        for _ in range(65535):
-            self._next_id = self._next_id % 65535 + 1
-            if self._next_id not in proto.pending:
-                break
-        else:
-            raise MqttIntakeError("too many publishes in flight")
-        pid = self._next_id
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        proto.pending[pid] = fut
-        self._write(encode_packet(PUBLISH, flags, encode_utf8(topic) + struct.pack("!H", pid) + payload))
-        await fut
-
-    def _connect_packet(self) -> bytes:
-        return encode_connect(
-            f"kcloak-pub-{secrets.token_hex(6)}",
-            username=self.username,
-            password=self.password,
-            keepalive_s=self.keepalive_s,
-            will=(self.will_topic, self.will_payload) if self.will_topic is not None else None,
-        )
+__all__ = ["Backoff", "Incoming", "MqttClient", "MqttError"]

@@ -54,7 +54,7 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
     answerer in the test replies to every query, in bursts, and tracks each client's outstanding
     queries."""
     from kcloak.broker.bench import QUERY_WINDOW, _mqtt_query_worker, _run_workers, _split, mosquitto
-    from kcloak.wire.mqtt_client import Incoming, IntakeConnection
+    from kcloak.wire.mqtt_client import Incoming, MqttClient
 
     outstanding: dict[str, int] = {}
     most: dict[str, int] = {}
@@ -69,35 +69,27 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
             held.append((m.topic.rsplit("/", 1)[1], qid))
 
     with mosquitto(tmp_path) as (port, _):
-        conn = IntakeConnection(
-            host="127.0.0.1",
-            port=port,
-            username=None,
-            password=None,
-            filters=["kcloak/v1/query/+"],
-            on_messages=on_queries,
-        )
-        reader = await conn.start()
+        async with MqttClient(host="127.0.0.1", port=port, on_messages=on_queries) as conn:
+            await conn.subscribe(["kcloak/v1/query/+"])
 
-        async def answer_in_bursts() -> None:
-            while True:
-                await asyncio.sleep(0.05)
-                burst, held[:] = held[:], []
-                for user, qid in burst:
-                    outstanding[qid.rsplit("-", 1)[0]] -= 1
-                    conn.publish_qos0(
-                        f"kcloak/v1/answer/{user}", json.dumps({"query_id": qid, "status": "ok"}).encode()
-                    )
+            async def answer_in_bursts() -> None:
+                while True:
+                    await asyncio.sleep(0.05)
+                    burst, held[:] = held[:], []
+                    for user, qid in burst:
+                        outstanding[qid.rsplit("-", 1)[0]] -= 1
+                        await conn.send(
+                            f"kcloak/v1/answer/{user}", json.dumps({"query_id": qid, "status": "ok"}).encode(), qos=0
+                        )
 
-        answerer = asyncio.create_task(answer_in_bursts())
-        users = [(f"w{i:04d}", 39.9, 116.4) for i in range(2000)]
-        await asyncio.to_thread(
-            _run_workers,
-            _mqtt_query_worker,
-            [(port, part, 3.0, None, f"c{i}") for i, part in enumerate(_split(users, 2))],
-        )
-        answerer.cancel()
-        reader.cancel()
-        await asyncio.gather(answerer, reader, return_exceptions=True)
+            answerer = asyncio.create_task(answer_in_bursts())
+            users = [(f"w{i:04d}", 39.9, 116.4) for i in range(2000)]
+            await asyncio.to_thread(
+                _run_workers,
+                _mqtt_query_worker,
+                [(port, part, 3.0, None, f"c{i}") for i, part in enumerate(_split(users, 2))],
+            )
+            answerer.cancel()
+            await asyncio.gather(answerer, return_exceptions=True)
     assert len(most) == 2
     assert all(QUERY_WINDOW // 2 <= n <= QUERY_WINDOW for n in most.values()), most

@@ -222,7 +222,7 @@ async def test_broker_status_is_retained_up_then_down(tmp_path: Path, spy: SpyUp
 
 
 def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -> None:
-    from kcloak.wire.mqtt_client import MalformedFrame, encode_packet, split_frames
+    from kcloak.wire.mqtt_codec import MalformedFrame, encode_packet, split_frames
 
     small, big = encode_packet(4, 0, b"\x00\x07"), encode_packet(3, 0, b"x" * 300)  # 300: two length bytes
     buf = bytearray(small + big + big[:5])
@@ -238,7 +238,7 @@ def test_split_frames_keeps_incomplete_packets_and_rejects_malformed_lengths() -
 def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
     """CONNECT laid out by hand from the specification (§3.1): fixed header, protocol name and
     level, connect flags, keep-alive, then client id, will topic and message, username, password."""
-    from kcloak.wire.mqtt_client import encode_connect
+    from kcloak.wire.mqtt_codec import encode_connect
 
     header = b"\x00\x04MQTT\x04"
     with_login = encode_connect("c", username="u", password="p", keepalive_s=30)
@@ -247,12 +247,10 @@ def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
     assert with_will == b"\x10\x14" + header + b"\x2e\x01\x2c" + b"\x00\x01c" + b"\x00\x01w" + b"\x00\x02xy"
 
 
-async def test_intake_start_raises_instead_of_waiting_when_it_cannot_connect() -> None:
+async def test_client_raises_instead_of_waiting_when_it_cannot_connect() -> None:
     from kcloak.broker.mqtt import free_port
-    from kcloak.wire.mqtt_client import IntakeConnection, MqttIntakeError
+    from kcloak.wire.mqtt_client import MqttClient, MqttError
 
-    conn = IntakeConnection(
-        host="127.0.0.1", port=free_port(), username=None, password=None, filters=["x/+"], on_messages=lambda _: None
-    )
-    with pytest.raises(MqttIntakeError):
-        await asyncio.wait_for(conn.start(), timeout=10)
+    with pytest.raises(MqttError, match="cannot connect"):
+        async with asyncio.timeout(10), MqttClient(host="127.0.0.1", port=free_port(), on_messages=lambda _: None):
+            pass

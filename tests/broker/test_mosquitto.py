@@ -11,7 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from kcloak.broker.mosquitto import mosquitto_hash
 from kcloak.broker.mqtt import free_port
 from kcloak.broker.service import Broker
 from kcloak.cli.main import main as cli_main
-from kcloak.wire.mqtt_client import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
+from kcloak.wire.mqtt_client import Incoming, MqttClient
 from tests.broker.conftest import SpyUpstream, broker_config
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -184,21 +184,26 @@ async def test_broker_through_mosquitto_with_shared_subscriptions(
         assert answer["query_id"] == "q1" and answer["reason"] == "k_unreachable"
 
 
-def _intake(port: int, out: Path, on_messages: Any, client_id: str = "kcloak-test-in0") -> IntakeConnection:
+@contextlib.asynccontextmanager
+async def _intake(
+    port: int, out: Path, on_messages: Any, client_id: str = "kcloak-test-in0"
+) -> AsyncIterator[MqttClient]:
+    """An intake connection as kcloak makes it: persistent session, subscribed to the fixes."""
     secret = (out / "service.secret").read_text().strip()
-    return IntakeConnection(
+    async with MqttClient(
         host="127.0.0.1",
         port=port,
         username="_kcloak",
         password=secret,
-        filters=["kcloak/v1/update/+"],
         on_messages=on_messages,
         client_id=client_id,
-    )
+    ) as conn:
+        await conn.subscribe(["kcloak/v1/update/+"])
+        yield conn
 
 
 async def _publish_as_alice(port: int, n: int) -> None:
-    async with PublishConnection(host="127.0.0.1", port=port, username="alice", password="tokA") as alice:
+    async with MqttClient(host="127.0.0.1", port=port, username="alice", password="tokA") as alice:
         await asyncio.gather(*(alice.publish("kcloak/v1/update/alice", str(i).encode()) for i in range(n)))
 
 
@@ -208,24 +213,17 @@ async def test_generated_config_keeps_a_large_backlog_across_a_mosquitto_restart
     """What mosquitto acknowledged to an app while kcloak was away is handed to kcloak later: more
     than mosquitto's default 1000 queued messages, and also after mosquitto restarted in between."""
     port, out = mosquitto_server.port, mosquitto_server.out
-    task = await _intake(port, out, lambda _: None).start()  # the persistent session subscribes
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
-        await task
+    async with _intake(port, out, lambda _: None):  # the persistent session subscribes
+        pass
     await _publish_as_alice(port, 5000)  # acknowledged by mosquitto, queued for kcloak's session
     # mosquitto restarts (an orderly stop saves its state; see docs/mqtt-external.md for a crash)
     mosquitto_server.stop()
     mosquitto_server.start()
     got: list[bytes] = []
-    task = await _intake(port, out, lambda batch: got.extend(m.payload for m in batch)).start()
-    try:
+    async with _intake(port, out, lambda batch: got.extend(m.payload for m in batch)):
         async with asyncio.timeout(10):
             while len(got) < 5000:
                 await asyncio.sleep(0.05)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
-            await task
     assert got == [str(i).encode() for i in range(5000)]
 
 
@@ -243,12 +241,7 @@ async def test_generated_config_lets_kcloak_hold_many_messages_unacknowledged(
         got.extend(batch)
         return [never] * len(batch)
 
-    task = await _intake(port, out, hold, client_id="kcloak-hold-in0").start()
-    try:
+    async with _intake(port, out, hold, client_id="kcloak-hold-in0"):
         await _publish_as_alice(port, 3000)
         await asyncio.sleep(0.5)
         assert 1000 <= len(got) < 3000  # the generated window (1000), not mosquitto's default (20)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
-            await task

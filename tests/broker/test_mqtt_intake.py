@@ -1,4 +1,4 @@
-"""The lean MQTT intake client against a scripted MQTT broker on a real loopback socket.
+"""kcloak's MQTT client as the intake (and publisher) against a scripted MQTT broker on a real loopback socket.
 
 The peer in this file speaks just enough MQTT 3.1.1 to drive the client packet by packet: what
 it acknowledges, when, in which order; oversize and malformed packets; a peer that stops
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from kcloak.broker.service import Broker
-from kcloak.wire.mqtt_client import (
+from kcloak.wire.mqtt_client import Incoming, MqttClient, MqttError
+from kcloak.wire.mqtt_codec import (
     CONNACK,
     CONNECT,
     PINGREQ,
@@ -29,27 +30,11 @@ from kcloak.wire.mqtt_client import (
     PUBLISH,
     SUBACK,
     SUBSCRIBE,
-    Incoming,
-    IntakeConnection,
-    MqttIntakeError,
-    PublishConnection,
     encode_packet,
     encode_utf8,
 )
 from tests.broker.conftest import SpyUpstream, broker_config
-
-
-async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """One MQTT packet: (first byte, body)."""
-    first = (await reader.readexactly(1))[0]
-    mult, length = 1, 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length += (byte & 0x7F) * mult
-        mult *= 128
-        if not byte & 0x80:
-            break
-    return first, await reader.readexactly(length)
+from tests.wire.peers import read_packet
 
 
 def publish(topic: str, payload: bytes, pid: int | None, *, retain: bool = False) -> bytes:
@@ -168,17 +153,13 @@ async def peer() -> AsyncIterator[ScriptedBroker]:
 
 
 @contextlib.asynccontextmanager
-async def intake(peer: ScriptedBroker, on_messages: Any, **kw: Any) -> AsyncIterator[asyncio.Task[None]]:
-    conn = IntakeConnection(
-        host="127.0.0.1", port=peer.port, username=None, password=None, filters=["t/+"], on_messages=on_messages, **kw
-    )
-    task = await conn.start()
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, MqttIntakeError):
-            await task
+async def intake(peer: ScriptedBroker, on_messages: Any, **kw: Any) -> AsyncIterator[MqttClient]:
+    """A connection subscribed to ``t/+``, as the broker's intake makes it."""
+    async with MqttClient(
+        host="127.0.0.1", port=peer.port, client_prefix="kcloak-in", on_messages=on_messages, **kw
+    ) as conn:
+        await conn.subscribe(["t/+"])
+        yield conn
 
 
 async def test_acks_wait_for_each_completion_and_leave_in_arrival_order(peer: ScriptedBroker) -> None:
@@ -248,7 +229,7 @@ async def test_a_failed_completion_is_acknowledged_a_cancelled_one_is_not(peer: 
 async def test_oversize_publish_is_skipped_counted_acknowledged_and_the_connection_kept(peer: ScriptedBroker) -> None:
     got: list[Incoming] = []
     too_large: list[str] = []
-    async with intake(peer, got.extend, on_too_large=too_large.append, max_packet=64 * 1024) as task:
+    async with intake(peer, got.extend, on_too_large=too_large.append, max_packet=64 * 1024) as conn:
         s = await peer.next_session()
         huge = publish("t/attacker", b"9" * (3 * 1024 * 1024), 21)
         for k in range(0, len(huge), 100_000):  # streamed in pieces, as a socket delivers it
@@ -258,7 +239,7 @@ async def test_oversize_publish_is_skipped_counted_acknowledged_and_the_connecti
         assert await s.pubacks(2) == [21, 22]
         assert too_large == ["t/attacker"]
         assert [(m.topic, m.payload) for m in got] == [("t/bystander", b'{"fine": 1}'), ("t/bystander", b"q0")]
-        assert not task.done()
+        assert not conn.closed.done()
 
 
 async def test_oversize_publish_split_inside_its_topic_is_still_skipped(peer: ScriptedBroker) -> None:
@@ -288,47 +269,44 @@ async def test_an_exception_in_the_callback_does_not_end_the_connection(peer: Sc
                 raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
             got.append(m.payload)
 
-    async with intake(peer, on_messages) as task:
+    async with intake(peer, on_messages) as conn:
         s = await peer.next_session()
         s.writer.write(publish("t/attacker", b"boom", 1))
         assert await s.pubacks(1) == [1]
         s.writer.write(publish("t/bystander", b"ok", 2))
         assert await s.pubacks(1) == [2]
-        assert got == [b"ok"] and not task.done()
+        assert got == [b"ok"] and not conn.closed.done()
 
 
 async def test_a_topic_length_beyond_the_packet_is_not_read_past_it(peer: ScriptedBroker) -> None:
     got: list[Incoming] = []
-    conn = IntakeConnection(
-        host="127.0.0.1", port=peer.port, username=None, password=None, filters=["t/+"], on_messages=got.extend
-    )
-    task = await conn.start()
-    s = await peer.next_session()
-    # A PUBLISH whose topic length (40) runs 36 bytes past its own end, into the next packet.
-    lying = encode_packet(PUBLISH, 2, struct.pack("!H", 40) + b"t/a" + b"\x00\x07")
-    s.writer.write(lying + publish("t/next", b"n" * 40, 8))
-    with pytest.raises(MqttIntakeError):
-        async with asyncio.timeout(5):
-            await task
+    async with intake(peer, got.extend) as conn:
+        s = await peer.next_session()
+        # A PUBLISH whose topic length (40) runs 36 bytes past its own end, into the next packet.
+        lying = encode_packet(PUBLISH, 2, struct.pack("!H", 40) + b"t/a" + b"\x00\x07")
+        s.writer.write(lying + publish("t/next", b"n" * 40, 8))
+        with pytest.raises(MqttError, match="malformed packet"):
+            async with asyncio.timeout(5):
+                await conn.wait_closed()
     assert got == []  # malformed: the connection is closed, nothing read from beyond the packet
 
 
 async def test_intake_notices_a_broker_that_stops_answering_pings(peer: ScriptedBroker) -> None:
-    async with intake(peer, lambda _: None, keepalive_s=1) as task:
+    async with intake(peer, lambda _: None, keepalive_s=1) as conn:
         await peer.next_session()  # never reads again: PINGREQs go unanswered
         started = time.monotonic()
-        with pytest.raises(MqttIntakeError, match="PINGRESP"):
+        with pytest.raises(MqttError, match="PINGRESP"):
             async with asyncio.timeout(5):
-                await task
+                await conn.wait_closed()
         assert time.monotonic() - started < 2.5
 
 
 async def test_intake_keeps_a_connection_whose_pings_are_answered(peer: ScriptedBroker) -> None:
-    async with intake(peer, lambda _: None, keepalive_s=1) as task:
+    async with intake(peer, lambda _: None, keepalive_s=1) as conn:
         s = await peer.next_session()
         with contextlib.suppress(TimeoutError):
             await s.pubacks(1, timeout=2.2)  # answers the PINGREQs of two seconds
-        assert not task.done()
+        assert not conn.closed.done()
 
 
 async def test_publisher_notices_a_broker_that_stops_answering_pings() -> None:
@@ -342,9 +320,10 @@ async def test_publisher_notices_a_broker_that_stops_answering_pings() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with PublishConnection(host="127.0.0.1", port=port, username=None, password=None, keepalive_s=1) as pub:
+        async with MqttClient(host="127.0.0.1", port=port, client_prefix="kcloak-pub", keepalive_s=1) as pub:
             async with asyncio.timeout(2.5):
                 await pub.closed
+            assert pub.error is not None and "PINGRESP" in str(pub.error)
     finally:
         server.close()
 

@@ -30,7 +30,7 @@ from kcloak.broker.auth import TokenLine, TokenStore, token_digest
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.mqtt_server import MqttServer, topic_matches
 from kcloak.broker.service import Broker
-from kcloak.wire.mqtt_client import encode_packet, encode_utf8, split_frames
+from kcloak.wire.mqtt_codec import encode_packet, encode_utf8, split_frames
 from tests.broker.conftest import SpyUpstream, broker_config
 
 needs_mosquitto_clients = pytest.mark.skipif(
@@ -445,6 +445,20 @@ async def test_malformed_packet_closes_only_its_own_client(bad: bytes) -> None:
         assert await good.packet() == puback(5)
         good.close()
     assert rec.calls[-1] == ("kcloak/v1/update/alice", b"{ok}")
+
+
+async def test_topic_length_past_the_frame_end_is_not_read_from_the_next_packet() -> None:
+    rec = Recorder()
+    async with running(rec) as srv:
+        c = await Raw.open(srv.port)
+        await c.connect("evil")
+        # Topic length 64: the frame ends after 18 topic bytes and a packet id; the rest would come
+        # from the PUBLISH sent behind it in the same write.
+        lying = encode_packet(3, 2, struct.pack("!H", 64) + b"kcloak/v1/update/a" + b"\x00\x01")
+        await c.send(lying + publish_packet("kcloak/v1/update/a", b"{behind}", pid=2))
+        assert await c.closed()
+    assert rec.calls == [] and rec.drops == []
+    assert counter(srv, "kcloak_mqtt_disconnects_total", reason="malformed") == 1
 
 
 async def test_oversize_publish_is_skipped_unbuffered_acknowledged_and_the_connection_lives() -> None:

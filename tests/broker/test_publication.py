@@ -33,7 +33,7 @@ from kcloak.broker.stores import MovementStore
 from kcloak.core.readers import read_contract_csv
 from kcloak.streams.publish import METHODS
 from kcloak.streams.quality import publication_format_problems, verify_k_delta
-from kcloak.wire.mqtt_client import MqttIntakeError
+from kcloak.wire.mqtt_client import MqttError
 from tests.broker.conftest import SpyUpstream, broker_config
 
 K = 3
@@ -60,7 +60,7 @@ class Outbox:
 
     async def __call__(self, topic: str, payload: bytes) -> None:
         if self.fail:
-            raise MqttIntakeError("not connected")
+            raise MqttError("not connected")
         assert topic == TOPIC
         self.messages.append(json.loads(payload))
 
