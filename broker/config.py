@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kcloak.broker.errors import BrokerError
+from kcloak.core.errors import InputError
 from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.wire.http_client import Origin
 
@@ -26,7 +28,7 @@ LOG_FORMATS = ("json", "text")
 _COMMENT_COLUMN = 32
 
 
-class ConfigError(ValueError):
+class ConfigError(BrokerError, InputError, ValueError):
     """A configuration that cannot be used; the message names the key and the rule."""
 
 

@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from kcloak import __version__
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.lbs import LbsEngine, LonLatBox
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS
@@ -61,7 +62,7 @@ _STATUS_MESSAGES: dict[int, str] = {
 }
 
 
-class RequestError(Exception):
+class RequestError(BrokerError):
     """A request the contract rejects; becomes the error body of §4 (``kind`` labels the metric)."""
 
     def __init__(

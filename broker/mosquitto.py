@@ -108,8 +108,8 @@ def durability_lines(persistence_dir: Path) -> list[str]:
 
 def write_config(tokens_file: str, out_dir: Path, listen: str, readers: list[str]) -> tuple[list[int], str]:
     """Write the four files; returns the skipped (hashed) line numbers and the service secret."""
-    from kcloak.broker.auth import TokensFileError, read_tokens_file
     from kcloak.broker.config import parse_listen
+    from kcloak.wire.tokens import TokensFileError, read_tokens_file
 
     lines = read_tokens_file(tokens_file)
     raw = Path(tokens_file).read_text(encoding="utf-8").splitlines()
@@ -152,8 +152,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kcloak.broker.auth import TokensFileError
     from kcloak.broker.config import ConfigError, parse_listen
+    from kcloak.wire.tokens import TokensFileError
 
     readers = [r for r in args.published_readers.split(",") if r]
     out = Path(args.out)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kcloak.broker.config import Config
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.history import RecentFixes
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
@@ -52,11 +53,11 @@ FIX_CHUNK = 500
 """Most fixes of one batch handled in one event-loop turn (:meth:`Pipeline.submit_fix_batch`)."""
 
 
-class Duplicate(Exception):
+class Duplicate(BrokerError):
     """The ``query_id`` was already used by this user within the dedup window."""
 
 
-class QueryRejected(Exception):
+class QueryRejected(BrokerError):
     """A query refused before it entered the pipeline proper (HTTP error statuses)."""
 
     def __init__(self, code: ReasonCode, message: str, field: str | None = None) -> None:

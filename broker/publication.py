@@ -54,6 +54,7 @@ import numpy as np
 
 from kcloak import __version__
 from kcloak.broker.config import Config
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
@@ -81,7 +82,7 @@ Send = Callable[[str, bytes], Awaitable[None]]
 """Publish one message at QoS 1 and return once it is acknowledged (raise otherwise)."""
 
 
-class PublicationError(RuntimeError):
+class PublicationError(BrokerError, RuntimeError):
     """Publication cannot run with this configuration (e.g. a method this version lacks)."""
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, parse_listen
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kcloak.broker")
 
 
-class StartupError(RuntimeError):
+class StartupError(BrokerError, RuntimeError):
     """The broker could not start (port in use, data directory locked, MQTT unreachable)."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kcloak.broker.errors import BrokerError
 from kcloak.core.profile import PrivacyProfile
 
 SCHEMA_VERSION = 1
@@ -47,7 +48,7 @@ CREATE TABLE IF NOT EXISTS forwarded(
 """
 
 
-class StoreError(RuntimeError):
+class StoreError(BrokerError, RuntimeError):
     """A store that cannot be opened or written (data directory locked, disk error, …)."""
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
+from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.grid import GRID_BITS, cell_code_range, cell_udeg, grid_coords, morton_codes
 from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
@@ -36,7 +37,7 @@ I64 = npt.NDArray[np.int64]
 _DEFAULT = PrivacyProfile()
 
 
-class IndexError_(KeyError):
+class IndexError_(CloakingError, KeyError):
     """Unknown user in the position index."""
 
 

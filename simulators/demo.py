@@ -62,6 +62,7 @@ from kcloak.cli.demo import (
     DEMO_TAIL_RESERVE_S,
     DEMO_USERS_PER_KM2,
 )
+from kcloak.simulators.errors import SimulatorError
 from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from kcloak.simulators.streets import StreetGraph, load_street_graph
 from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
@@ -79,7 +80,7 @@ MIN_TRAFFIC_SHARE: Final = DEMO_MIN_TRAFFIC_SHARE
 STARTUP_TIMEOUT_S: Final = 60.0
 
 
-class DemoStartupError(RuntimeError):
+class DemoStartupError(SimulatorError, RuntimeError):
     """A part of the demo could not start (port in use, a child process exited); exit 1."""
 
 

@@ -28,7 +28,8 @@ from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 # The MQTT 3.1.1 packet codec is shared with the broker's intake client.
-from kcloak.wire.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
+from kcloak.wire.http_client import HttpClientError as HttpError
+from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpResponse, HttpTimeout
 from kcloak.wire.mqtt_client import (
     CONNACK,
     DISCONNECT,

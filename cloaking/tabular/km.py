@@ -45,7 +45,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.cloaking.errors import CloakingError
 from kcloak.core import geohash
+from kcloak.core.errors import InputError
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -61,7 +63,7 @@ class KmAlgorithm(StrEnum):
     AA = "aa"
 
 
-class KmError(ValueError):
+class KmError(CloakingError, InputError, ValueError):
     """Bad parameters or records."""
 
 

@@ -59,7 +59,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
-    from kcloak.streams.bench import AnonymizeBenchConfig, BenchError, validate
+    from kcloak.core.errors import BenchError
+    from kcloak.streams.bench import AnonymizeBenchConfig, validate
     from kcloak.streams.publish import METHODS
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))

@@ -175,7 +175,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
 
 def load_population(args: argparse.Namespace, seed: int) -> Population:
     """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
-    from kcloak.cloaking.bench import BenchError, clustered_population, snapshot_population
+    from kcloak.cloaking.bench import clustered_population, snapshot_population
+    from kcloak.core.errors import BenchError
     from kcloak.core.readers import ReaderError, read_fixes
 
     try:

@@ -142,8 +142,8 @@ def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kcloak.broker.auth import TokensFileError
     from kcloak.broker.config import ConfigError
+    from kcloak.wire.tokens import TokensFileError
 
     try:
         cfg = effective_config(args)

@@ -29,13 +29,15 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import CoreError, InputError
+
 F64 = npt.NDArray[np.float64]
 StrArray = npt.NDArray[np.str_]
 
 CONTRACT_COLUMNS: tuple[str, ...] = ("traj_id", "t", "lat", "lon")
 
 
-class ReaderError(ValueError):
+class ReaderError(CoreError, InputError, ValueError):
     """Input that cannot be read at all: unreadable file, unknown format, unusable header."""
 
 
