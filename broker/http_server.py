@@ -25,11 +25,11 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import StoreError
+from kcloak.core.logs import log_event
 from kcloak.core.profile import ProfileError, ReasonCode
 from kcloak.wire.payloads import (
     USER_ID_RULE,

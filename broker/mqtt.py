@@ -28,10 +28,10 @@ from typing import Any
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
-from kcloak.broker.logs import log_event
 from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
 from kcloak.broker.stores import StoreError
+from kcloak.core.logs import log_event
 from kcloak.core.profile import ProfileError
 from kcloak.wire.mqtt_client import Incoming, IntakeConnection, MqttIntakeError, PublishConnection
 from kcloak.wire.payloads import MalformedJson, parse_json_object, valid_query_id, valid_user_id

@@ -26,7 +26,6 @@ import numpy as np
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.history import RecentFixes
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.ratelimit import DedupWindow, TokenBuckets
 from kcloak.broker.sessions import Session, SessionState, SessionTable, session_status
@@ -38,6 +37,7 @@ from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
 from kcloak.cloaking.index import IndexView, PositionIndex
 from kcloak.cloaking.temporal import temporal_cell, temporal_window
 from kcloak.core.geometry import haversine_m
+from kcloak.core.logs import log_event
 from kcloak.core.places import PlacesLayer
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ProfileError, ReasonCode
 from kcloak.wire.payloads import Fix, InvalidInput, Query, parse_fix, parse_query

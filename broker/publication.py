@@ -55,9 +55,9 @@ import numpy as np
 from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
+from kcloak.core.logs import log_event
 from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
 from kcloak.streams.publish import METHODS, Release, anonymize
 from kcloak.wire.mqtt_client import MqttIntakeError

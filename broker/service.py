@@ -21,11 +21,11 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, parse_listen
 from kcloak.broker.errors import BrokerError
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, WriteHealth
 from kcloak.broker.upstream import UpstreamClient
+from kcloak.core.logs import log_event
 from kcloak.core.places import PlacesLayer, load_pois
 
 if TYPE_CHECKING:

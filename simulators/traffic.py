@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.core.errors import InputError
+from kcloak.core.names import SimulatedQueryKind, values
 from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.simulators.bench import MODELS
 from kcloak.simulators.bench import build_model as build_bundled_model
@@ -59,7 +60,7 @@ from kcloak.simulators.mobility import MobilityModel
 from kcloak.simulators.streets import StreetGraph, StreetMovement, load_street_graph
 from kcloak.simulators.transport import BrokerUrl
 
-QUERY_KINDS = ("range", "knn", "mix")
+QUERY_KINDS = values(SimulatedQueryKind)
 """``--query-kind`` values: range queries, k-nearest-neighbour queries, or an even mix."""
 
 RANGE_RADIUS_M = (200.0, 2000.0)

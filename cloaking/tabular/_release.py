@@ -22,19 +22,11 @@ from kcloak.cloaking.tabular.criteria import (
 )
 from kcloak.cloaking.tabular.hierarchy import CategoricalHierarchy
 from kcloak.cloaking.tabular.metrics import release_metrics
+from kcloak.core.names import TabularAlgorithm, values
 
 IntArray = npt.NDArray[np.int64]
 
-ALGORITHMS: tuple[str, ...] = (
-    "samarati",
-    "incognito",
-    "ola",
-    "mondrian",
-    "mondrian-relaxed",
-    "mdav",
-    "kaca",
-    "anatomy",
-)
+ALGORITHMS: tuple[str, ...] = values(TabularAlgorithm)
 
 
 @dataclass(frozen=True, slots=True)

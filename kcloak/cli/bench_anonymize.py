@@ -8,18 +8,17 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli._progress import rich_bar
 from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
+    from kcloak.cli.main import SubParsers
     from kcloak.streams.bench import AnonymizeBenchConfig
 
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-
-def add_parser(subparsers: SubParsers) -> None:
-    """Add ``bench anonymize``."""
-    p = bench_subparsers(subparsers).add_parser(
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench anonymize`` to the ``bench`` group."""
+    p = bench.add_parser(
         "anonymize",
         help="trajectory anonymization runtime, memory and quality per method and size",
         description=(

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.core.errors import CoreError, InputError
+from kcloak.core.names import InputFormat, values
 
 F64 = npt.NDArray[np.float64]
 StrArray = npt.NDArray[np.str_]
@@ -406,7 +407,7 @@ READERS: dict[str, Reader] = {
 }
 """Reader by contract ``--format`` name."""
 
-FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
+FORMATS: tuple[str, ...] = values(InputFormat)
 """Every ``--format`` value of the contract (§9), supported or not yet."""
 
 
