@@ -51,8 +51,9 @@ def _positions(users: int, seed: int) -> list[tuple[str, float, float]]:
 
 
 # -- metrics scraping ------------------------------------------------------------------------------
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+def scrape(port: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """The broker's ``/metrics`` on 127.0.0.1:``port`` as ``{"name{labels}": value}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

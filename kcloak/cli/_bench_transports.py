@@ -12,11 +12,10 @@ import asyncio
 import contextlib
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kcloak.broker.bench import instant_upstream, mosquitto, serve_process, wait_healthy
+from kcloak.broker.bench import instant_upstream, mosquitto, scrape, serve_process, wait_healthy
 from kcloak.simulators.bench import encode_rate
 from kcloak.simulators.traffic import saturate
 from kcloak.wire.net import free_port
@@ -39,19 +38,11 @@ def measure_transports(
     """
     say = log or (lambda _msg: None)
 
-    def scrape(http_port: int) -> dict[str, float]:
-        # A saturated broker may take a while to serve /metrics: allow 60 s.
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=60) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+    def scrape_slowly(http_port: int) -> dict[str, float]:
+        return scrape(http_port, timeout_s=60)  # a saturated broker may take a while to serve /metrics
 
     def accepted(http_port: int, transport: str) -> float:
-        metrics = scrape(http_port)
+        metrics = scrape_slowly(http_port)
         return sum(
             v
             for k, v in metrics.items()
@@ -62,7 +53,7 @@ def measure_transports(
         # Let the broker work off any backlog before the next phase (its counters stop moving).
         deadline, last = time.monotonic() + timeout_s, -1.0
         while time.monotonic() < deadline:
-            m = scrape(http_port)
+            m = scrape_slowly(http_port)
             now = sum(v for k, v in m.items() if k.startswith(("kcloak_updates_", "kcloak_messages_dropped")))
             if now == last:
                 return

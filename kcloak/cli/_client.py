@@ -28,6 +28,8 @@ FORMATS: tuple[str, ...] = values(InputFormat)
 FORMATTER = argparse.RawDescriptionHelpFormatter
 
 T = TypeVar("T")
+Progress = Callable[[int, int], None]
+"""Progress callback of the client commands: ``(done, total)``."""
 
 CLIENT_EPILOG = (
     "--broker URL is mqtt://HOST[:PORT] (default port 1883) or http://HOST[:PORT] (default port\n"
@@ -103,3 +105,20 @@ def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
 def unreachable(exc: TransportError) -> int:
     print(f"kcloak: error: {exc}", file=sys.stderr)
     return 1
+
+
+def run_and_report(
+    args: argparse.Namespace, label: str, work: Callable[[Progress | None], Coroutine[Any, Any, Any]]
+) -> int:
+    """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
+    summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
+    Bad input raises (exit 2 through the command line's exit-code table)."""
+    from kcloak.simulators.transport import TransportError
+
+    with progress_bar(not args.no_progress, label) as update:
+        try:
+            summary = run_client(args.broker, args.tokens, lambda: work(update))
+        except TransportError as exc:
+            return unreachable(exc)
+    emit(summary.to_json(), args.json, f"kcloak {label}")
+    return 0

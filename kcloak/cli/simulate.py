@@ -5,17 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kcloak.cli._client import (
-    CLIENT_EPILOG,
-    FORMATTER,
-    MODELS,
-    QUERY_KINDS,
-    client_flags,
-    emit,
-    progress_bar,
-    run_client,
-    unreachable,
-)
+from kcloak.cli import _client as client
 from kcloak.cli.main import SubParsers, UsageError
 
 
@@ -23,7 +13,7 @@ def add_parser(subparsers: SubParsers) -> None:
     p = subparsers.add_parser(
         "simulate",
         help="simulated users sending fixes and Poisson queries",
-        formatter_class=FORMATTER,
+        formatter_class=client.FORMATTER,
         description=(
             "Simulate N users moving with a mobility model. Each sends a location fix every --dt seconds\n"
             "and LBS queries (range or knn) as a Poisson process of --query-rate per user per minute.\n"
@@ -34,66 +24,49 @@ def add_parser(subparsers: SubParsers) -> None:
             'JSON: {"users", "sent", "accepted" (null over MQTT), "refused": {code: n}, "duration_s",\n'
             '"queries", "answers": {"ok", "refused", "unanswered", "reasons"}, ...}.'
         ),
-        epilog=CLIENT_EPILOG,
+        epilog=client.CLIENT_EPILOG,
     )
     p.add_argument("--users", type=int, default=1000, metavar="N", help="simulated users (1000)")
-    p.add_argument("--model", choices=MODELS, default="street", help="mobility model (street)")
+    p.add_argument("--model", choices=client.MODELS, default="street", help="mobility model (street)")
     p.add_argument("--osm", type=Path, default=None, metavar="FILE", help="OSM XML or zip for street (bundled Beijing)")
     p.add_argument("--dt", type=float, default=1.0, metavar="S", help="seconds between a user's fixes (1.0)")
     p.add_argument("--query-rate", type=float, default=1.0, metavar="Q", help="queries per user per minute (1.0)")
-    p.add_argument("--query-kind", choices=QUERY_KINDS, default="mix", help="range, knn or mix (mix)")
+    p.add_argument("--query-kind", choices=client.QUERY_KINDS, default="mix", help="range, knn or mix (mix)")
     p.add_argument("--profile-mix", type=Path, default=None, metavar="FILE.json", help="profile mix (see above)")
     p.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of traffic (60)")
     p.add_argument("--seed", type=int, default=None, help="random seed (random)")
-    client_flags(p)
+    client.client_flags(p)
     p.set_defaults(func=run_simulate)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from kcloak.simulators.traffic import (
-        DEFAULT_MIX,
-        NullObserver,
-        SimulationConfig,
-        SimulationInputError,
-        load_profile_mix,
-        run_simulation,
-    )
-    from kcloak.simulators.transport import TransportError
+    from kcloak.simulators.traffic import DEFAULT_MIX, NullObserver, SimulationConfig, load_profile_mix, run_simulation
 
-    try:
-        mix = load_profile_mix(args.profile_mix) if args.profile_mix is not None else DEFAULT_MIX
-        cfg = SimulationConfig(
-            users=args.users,
-            model=args.model,
-            osm=args.osm,
-            dt_s=args.dt,
-            query_rate_per_min=args.query_rate,
-            profile_mix=mix,
-            duration_s=args.duration,
-            seed=args.seed,
-            broker=args.broker,
-            tokens=args.tokens,
-            query_kind=args.query_kind,
-        )
-    except SimulationInputError as exc:
-        raise UsageError(str(exc)) from None
+    mix = load_profile_mix(args.profile_mix) if args.profile_mix is not None else DEFAULT_MIX
+    cfg = SimulationConfig(
+        users=args.users,
+        model=args.model,
+        osm=args.osm,
+        dt_s=args.dt,
+        query_rate_per_min=args.query_rate,
+        profile_mix=mix,
+        duration_s=args.duration,
+        seed=args.seed,
+        broker=args.broker,
+        tokens=args.tokens,
+        query_kind=args.query_kind,
+    )
     if args.osm is not None and not args.osm.is_file():
         raise UsageError("--osm: no such file")
 
-    with progress_bar(not args.no_progress, "simulate") as update:
+    class Ticker(NullObserver):
+        def __init__(self, update: client.Progress | None) -> None:
+            self.sent = 0
+            self.update = update
 
-        class Ticker(NullObserver):
-            def __init__(self) -> None:
-                self.sent = 0
+        def on_updates(self, n: int) -> None:
+            self.sent += n
+            if self.update is not None:
+                self.update(self.sent, self.sent)
 
-            def on_updates(self, n: int) -> None:
-                self.sent += n
-                if update is not None:
-                    update(self.sent, self.sent)
-
-        try:
-            summary = run_client(args.broker, args.tokens, lambda: run_simulation(cfg, observer=Ticker()))
-        except TransportError as exc:
-            return unreachable(exc)
-    emit(summary.to_json(), args.json, "kcloak simulate")
-    return 0
+    return client.run_and_report(args, "simulate", lambda update: run_simulation(cfg, observer=Ticker(update)))
