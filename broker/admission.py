@@ -13,16 +13,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kcloak.broker.config import LimitsConfig
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.ratelimit import DedupWindow, TokenBuckets
 from kcloak.core.profile import ReasonCode
 from kcloak.wire.payloads import InvalidInput, Query, parse_query
 
 
-class Duplicate(Exception):
+class Duplicate(BrokerError):
     """The ``query_id`` was already used by this user within the dedup window."""
 
 
-class QueryRejected(Exception):
+class QueryRejected(BrokerError):
     """A query refused before it entered the pipeline proper (HTTP error statuses)."""
 
     def __init__(self, code: ReasonCode, message: str, field: str | None = None) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kcloak.broker.mqtt import free_port
+from kcloak.wire.net import free_port
 
 CENTRE = (39.9, 116.4)
 
@@ -52,8 +52,9 @@ def _positions(users: int, seed: int) -> list[tuple[str, float, float]]:
 
 
 # -- metrics scraping ------------------------------------------------------------------------------
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+def scrape(port: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """The broker's ``/metrics`` on 127.0.0.1:``port`` as ``{"name{labels}": value}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -173,7 +174,7 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-I", "-m", "kcloak.cli.main", "serve", *args, "--log-level", "warning"]
+    cmd = [sys.executable, "-I", "-m", "kcloak", "serve", *args, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
@@ -250,11 +251,11 @@ def _paho_update_worker(port: int, users: list[tuple[str, float, float]], durati
 
 
 def _http_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
-    """Single-fix POSTs over 128 keep-alive connections with the simulators' lean HTTP/1.1 client
+    """Single-fix POSTs over 128 keep-alive connections with kcloak's lean HTTP/1.1 client
     (aiohttp's client costs as much CPU as the server, which would make the client the bottleneck)."""
-    from kcloak.simulators.transport import HttpClient
+    from kcloak.wire.http_client import HttpPool
 
-    async def connection(http: HttpClient, offset: int, end: float) -> None:
+    async def connection(http: HttpPool, offset: int, end: float) -> None:
         i = offset
         while time.monotonic() < end:
             user, lat, lon = users[i % len(users)]
@@ -264,7 +265,7 @@ def _http_update_worker(port: int, users: list[tuple[str, float, float]], durati
 
     async def main() -> None:
         end = time.monotonic() + duration_s
-        async with HttpClient(host="127.0.0.1", port=port, connections=128) as http:
+        async with HttpPool(host="127.0.0.1", port=port, connections=128) as http:
             await asyncio.gather(*(connection(http, j, end) for j in range(128)))
 
     asyncio.run(main())
@@ -274,11 +275,11 @@ def _http_query_worker(
     port: int, users: list[tuple[str, float, float]], duration_s: float, rate: float | None, tag: str
 ) -> None:
     """kNN queries with the lean HTTP/1.1 client: 64 in a closed loop, or open loop at ``rate``/s."""
-    from kcloak.simulators.transport import HttpClient
+    from kcloak.wire.http_client import HttpPool
 
     async def main() -> None:
         end = time.monotonic() + duration_s
-        async with HttpClient(host="127.0.0.1", port=port, connections=128) as http:
+        async with HttpPool(host="127.0.0.1", port=port, connections=128) as http:
             counter = [0]
 
             async def one() -> None:

@@ -16,17 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kcloak.broker.errors import BrokerError
+from kcloak.core import names
+from kcloak.core.errors import InputError
 from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.wire.http_client import Origin
 
-ALGORITHMS = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
-PUBLISH_METHODS = ("nwa", "w4m", "microagg")
+ALGORITHMS = names.BROKER_ALGORITHMS
+PUBLISH_METHODS = names.values(names.KDeltaMethod)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "text")
 _COMMENT_COLUMN = 32
 
 
-class ConfigError(ValueError):
+class ConfigError(BrokerError, InputError, ValueError):
     """A configuration that cannot be used; the message names the key and the rule."""
 
 

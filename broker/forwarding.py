@@ -14,12 +14,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import QueryLog
 from kcloak.broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
 from kcloak.cloaking.cloakers import Region
 from kcloak.core.geometry import haversine_m
+from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ReasonCode
 from kcloak.core.schemas import FORWARDED
 from kcloak.wire.answers import Answer, AnsweredRegion, PoiResult

@@ -9,10 +9,10 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.positions import PositionReader
 from kcloak.broker.stores import MovementStore, StoreError
+from kcloak.core.logs import log_event
 
 log = logging.getLogger("kcloak.pipeline")
 

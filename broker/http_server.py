@@ -24,11 +24,12 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
-from kcloak.broker.logs import log_event
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import StoreError
+from kcloak.core.logs import log_event
 from kcloak.core.profile import ProfileError, ReasonCode
 from kcloak.wire.payloads import (
     USER_ID_RULE,
@@ -76,7 +77,7 @@ _ERROR_ANSWERS = {
 _OPEN_ROUTES = {"/v1/openapi.json", "/v1/info", "/healthz", "/metrics"}
 
 
-class HttpError(Exception):
+class HttpError(BrokerError):
     """An error answer; ``close`` also ends the connection (the request was not read to its end)."""
 
     def __init__(

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kcloak.broker.config import CloakingConfig, LimitsConfig
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.positions import Positions
 from kcloak.broker.ratelimit import TokenBuckets
 from kcloak.broker.stores import MovementStore
+from kcloak.core.logs import log_event
 from kcloak.core.profile import ReasonCode
 from kcloak.wire.payloads import Fix, InvalidInput, parse_fix
 

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/search`` (strict request, inclusive candidate set from
 :class:`~kcloak.broker.lbs.LbsEngine`), ``GET /v1/categories``, ``GET /v1/openapi.json``, ``GET /healthz``
 and ``GET /metrics`` (its own prometheus registry). Every 4xx/5xx, aiohttp's own included, gets the
-contract's error body from one middleware. Logs (``kcloak.broker.logs``) carry route templates, statuses and
+contract's error body from one middleware. Logs (``kcloak.core.logs``) carry route templates, statuses and
 durations only: never a coordinate, bbox, POI id, name, category or pseudonym (contract §10).
 """
 
@@ -22,9 +22,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from kcloak import __version__
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.lbs import LbsEngine, LonLatBox
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import CANDIDATE_BUCKETS, LATENCY_BUCKETS
+from kcloak.core.logs import log_event
 from kcloak.core.places import PoiSet
 from kcloak.core.profile import ReasonCode
 from kcloak.wire.payloads import (
@@ -61,7 +62,7 @@ _STATUS_MESSAGES: dict[int, str] = {
 }
 
 
-class RequestError(Exception):
+class RequestError(BrokerError):
     """A request the contract rejects; becomes the error body of §4 (``kind`` labels the metric)."""
 
     def __init__(

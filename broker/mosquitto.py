@@ -1,4 +1,4 @@
-"""``kcloak mosquitto-config``: a ready mosquitto setup that enforces the contract's ACL (§3, §9).
+"""A ready mosquitto setup that enforces the contract's ACL (§3, §9), for ``kcloak mosquitto-config``.
 
 Writes ``mosquitto.conf`` (no anonymous clients, password and ACL files, 2 MiB packets),
 ``passwd`` (mosquitto ≥ 2.0 ``$7$`` PBKDF2-SHA512 hashes of the users' tokens), ``acl`` (each
@@ -10,14 +10,11 @@ the broker status; published data only for ``--published-readers``; the service 
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import os
 import secrets
-import sys
 from pathlib import Path
-from typing import Any
 
 # kcloak.broker.auth and kcloak.broker.config (numpy through the profile) are imported when the command runs,
 # so that ``kcloak --help`` stays fast.
@@ -108,8 +105,8 @@ def durability_lines(persistence_dir: Path) -> list[str]:
 
 def write_config(tokens_file: str, out_dir: Path, listen: str, readers: list[str]) -> tuple[list[int], str]:
     """Write the four files; returns the skipped (hashed) line numbers and the service secret."""
-    from kcloak.broker.auth import TokensFileError, read_tokens_file
     from kcloak.broker.config import parse_listen
+    from kcloak.wire.tokens import TokensFileError, read_tokens_file
 
     lines = read_tokens_file(tokens_file)
     raw = Path(tokens_file).read_text(encoding="utf-8").splitlines()
@@ -133,49 +130,3 @@ def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
-
-
-def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "mosquitto-config",
-        help="generate a mosquitto configuration that enforces kcloak's per-user ACL",
-        description=(
-            "Write mosquitto.conf, passwd, acl and service.secret into DIR so that a mosquitto "
-            "broker authenticates every user with its kcloak token and pins it to its own topics."
-        ),
-    )
-    p.add_argument("--tokens", required=True, metavar="FILE", help="tokens file (user_id:token lines)")
-    p.add_argument("-o", dest="out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--listen", default="127.0.0.1:1883", metavar="HOST:PORT", help="mosquitto listener")
-    p.add_argument("--published-readers", default="", metavar="a,b", help="users allowed to read published data")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    from kcloak.broker.auth import TokensFileError
-    from kcloak.broker.config import ConfigError, parse_listen
-
-    readers = [r for r in args.published_readers.split(",") if r]
-    out = Path(args.out)
-    try:
-        skipped, _ = write_config(args.tokens, out, args.listen, readers)
-    except (TokensFileError, ConfigError) as exc:
-        print(f"kcloak mosquitto-config: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"kcloak mosquitto-config: cannot write {out} ({exc.strerror})", file=sys.stderr)
-        return 1
-    for number in skipped:
-        print(f"warning: tokens file line {number} is hashed (sha256) and was skipped", file=sys.stderr)
-    host, port = parse_listen(args.listen)
-    print(
-        "note: passwd and service.secret are readable by you only; run mosquitto as this user "
-        "(mosquitto.conf option 'user') or give its user read access",
-        file=sys.stderr,
-    )
-    print(f"mosquitto -c {out.resolve() / 'mosquitto.conf'}")
-    print(
-        f"kcloak serve --mqtt mqtt://{SERVICE_USER}@{host}:{port} "
-        f"--mqtt-password-file {out.resolve() / 'service.secret'} --tokens {Path(args.tokens).resolve()}"
-    )
-    return 0

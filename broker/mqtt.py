@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,10 @@ from typing import Any
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
-from kcloak.broker.logs import log_event
 from kcloak.broker.mqtt_server import INPUT_KINDS, MqttServer, input_topic
 from kcloak.broker.pipeline import Duplicate, Pipeline, QueryRejected
 from kcloak.broker.stores import StoreError
+from kcloak.core.logs import log_event
 from kcloak.core.profile import ProfileError
 from kcloak.wire.mqtt_client import Backoff, Incoming, MqttClient, MqttError
 from kcloak.wire.payloads import MalformedJson, parse_json_object, valid_query_id, valid_user_id
@@ -41,12 +40,6 @@ log = logging.getLogger("kcloak.mqtt")
 TOPICS = INPUT_KINDS
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MqttDoor:

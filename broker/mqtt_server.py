@@ -25,8 +25,8 @@ from typing import cast
 
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
+from kcloak.core.logs import log_event
 from kcloak.wire.mqtt_codec import (
     CONNECT,
     DISCONNECT,

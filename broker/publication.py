@@ -54,9 +54,10 @@ import numpy as np
 
 from kcloak import __version__
 from kcloak.broker.config import Config
-from kcloak.broker.logs import log_event
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
+from kcloak.core.logs import log_event
 from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
 from kcloak.core.schemas import FIXES, WINDOWS, WindowState
 from kcloak.streams.publish import METHODS, Release, anonymize
@@ -82,7 +83,7 @@ Send = Callable[[str, bytes], Awaitable[None]]
 """Publish one message at QoS 1 and return once it is acknowledged (raise otherwise)."""
 
 
-class PublicationError(RuntimeError):
+class PublicationError(BrokerError, RuntimeError):
     """Publication cannot run with this configuration (e.g. a method this version lacks)."""
 
 

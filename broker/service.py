@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, parse_listen
-from kcloak.broker.logs import log_event
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
 from kcloak.broker.upstream import UpstreamClient
+from kcloak.core.logs import log_event
 from kcloak.core.places import PlacesLayer, load_pois
 from kcloak.core.schemas import MOVEMENT_FILE, PROFILES_FILE, QUERYLOG_FILE
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kcloak.broker")
 
 
-class StartupError(RuntimeError):
+class StartupError(BrokerError, RuntimeError):
     """The broker could not start (port in use, data directory locked, MQTT unreachable)."""
 
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kcloak.broker.forwarding import Background, Forwarder, Timing
-from kcloak.broker.logs import log_event
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.modes import Cloaked, Views
 from kcloak.broker.positions import PositionReader
 from kcloak.cloaking.cloakers import Refusal
 from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
+from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ReasonCode
 from kcloak.wire.answers import Answer, SessionBrief
 from kcloak.wire.payloads import Fix, Query

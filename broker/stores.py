@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kcloak.broker.errors import BrokerError
 from kcloak.core.profile import PrivacyProfile
 from kcloak.core.schemas import (
     FIXES,
@@ -36,7 +37,7 @@ from kcloak.core.schemas import (
 )
 
 
-class StoreError(RuntimeError):
+class StoreError(BrokerError, RuntimeError):
     """A store that cannot be opened or written (data directory locked, disk error, …)."""
 
 

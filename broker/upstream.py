@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from kcloak import __version__
+from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from kcloak.wire.payloads import parse_json_object
@@ -28,7 +29,7 @@ from kcloak.wire.payloads import parse_json_object
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
-class UpstreamError(RuntimeError):
+class UpstreamError(BrokerError, RuntimeError):
     """The provider failed after the retries (answer reason ``upstream_error``)."""
 
 
@@ -73,13 +74,13 @@ def new_pseudonym() -> str:
     return secrets.token_hex(16)
 
 
-class _Retryable(Exception):
+class _Retryable(BrokerError):
     def __init__(self, outcome: str) -> None:
         super().__init__(outcome)
         self.outcome = outcome
 
 
-class _Final(Exception):
+class _Final(BrokerError):
     def __init__(self, outcome: str) -> None:
         super().__init__(outcome)
         self.outcome = outcome

@@ -51,7 +51,9 @@ from kcloak.cloaking.attacks import (
 from kcloak.cloaking.attacks.base import Session
 from kcloak.cloaking.bench import SYNTHETIC_NOW, NullProgress, Progress, auto_window_s, clustered_population, user_ids
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
+from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.index import IndexView
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import EARTH_RADIUS_M, BBox
 from kcloak.core.places import PlacesLayer
 from kcloak.core.profile import PrivacyProfile, ProfileArrays
@@ -68,7 +70,7 @@ CLIQUE_ARRIVAL_SPREAD_S = 60.0
 """Clique frames: every present user queries once, at a uniform instant of this window."""
 
 
-class AuditError(ValueError):
+class AuditError(CloakingError, InputError, ValueError):
     """Bad audit input (unknown algorithm, too few users, …): exit 2 at the CLI."""
 
 

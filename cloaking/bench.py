@@ -33,6 +33,7 @@ import numpy.typing as npt
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
 from kcloak.cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
 from kcloak.cloaking.index import IndexView, PositionIndex
+from kcloak.core.errors import BenchError
 from kcloak.core.geometry import EARTH_RADIUS_M, BBox
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 from kcloak.core.readers import FixTable
@@ -65,10 +66,6 @@ KVIOL_CALL_BUDGET = 20_000
 
 CLIQUE_QUERIES_PER_USER_MIN = 1.0
 """Arrival rate of the clique stream: each user queries once a minute (``simulate``'s default)."""
-
-
-class BenchError(ValueError):
-    """Parameters or data a benchmark cannot run with (the CLI's exit 2)."""
 
 
 class Progress(Protocol):

@@ -17,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from kcloak.cloaking.cloakers.base import Refusal, Region, finish_region, refuse
+from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.index import IndexView
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import bbox_around_keys
 from kcloak.core.profile import PrivacyProfile, ReasonCode
 
@@ -25,7 +27,7 @@ ENDING_REASONS: frozenset[ReasonCode] = frozenset({ReasonCode.K_UNREACHABLE, Rea
 """Refusals of a refresh that end the session (contract §6); any other keeps it active."""
 
 
-class SessionError(ValueError):
+class SessionError(CloakingError, InputError, ValueError):
     """A session cannot start from the given region (the caller passed an unusable first region)."""
 
 

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker.auth import TokensFileError, read_tokens_file
+from kcloak.core.errors import InputError
+from kcloak.simulators.errors import SimulatorError
 from kcloak.simulators.transport import BrokerUrl, HttpClient, HttpResponse, MqttClient, MqttMessage, TransportError
+from kcloak.wire.tokens import TokensFileError, read_tokens_file
 
 ROOT = "kcloak/v1/"
 GATEWAY_USER = "kcloak-gateway"
@@ -41,7 +43,7 @@ AnswerHook = Callable[[dict[str, Any], float], None]
 """Called with each answer (contract JSON) and its latency from the intended send time, in seconds."""
 
 
-class ClientInputError(ValueError):
+class ClientInputError(SimulatorError, InputError, ValueError):
     """Unusable client input such as a tokens file without plaintext tokens (exit 2)."""
 
 

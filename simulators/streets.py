@@ -27,7 +27,9 @@ import numpy.typing as npt
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, dijkstra
 
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import haversine_m_array
+from kcloak.simulators.errors import SimulatorError
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -89,7 +91,7 @@ _ONEWAY_BACKWARD = frozenset({"-1", "reverse"})
 _ONEWAY_NO = frozenset({"no", "false", "0"})
 
 
-class OsmFileError(ValueError):
+class OsmFileError(SimulatorError, InputError, ValueError):
     """An OSM file that cannot be used at all (unreadable, not OSM XML, no routable highway way)."""
 
 

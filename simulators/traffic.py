@@ -42,6 +42,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import InputError
+from kcloak.core.names import SimulatedQueryKind, values
 from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.simulators.bench import MODELS
 from kcloak.simulators.bench import build_model as build_bundled_model
@@ -53,11 +55,12 @@ from kcloak.simulators.client import (
     open_client,
     percentiles_ms,
 )
+from kcloak.simulators.errors import SimulatorError
 from kcloak.simulators.mobility import MobilityModel
 from kcloak.simulators.streets import StreetGraph, StreetMovement, load_street_graph
 from kcloak.simulators.transport import BrokerUrl
 
-QUERY_KINDS = ("range", "knn", "mix")
+QUERY_KINDS = values(SimulatedQueryKind)
 """``--query-kind`` values: range queries, k-nearest-neighbour queries, or an even mix."""
 
 RANGE_RADIUS_M = (200.0, 2000.0)
@@ -72,7 +75,7 @@ DRAIN_S = 5.0
 STOP_DRAIN_S = 2.0
 
 
-class SimulationInputError(ValueError):
+class SimulationInputError(SimulatorError, InputError, ValueError):
     """Bad simulation input: flags, profile mix, tokens file, OSM file (exit 2)."""
 
 

@@ -23,7 +23,9 @@ from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from kcloak.wire.http_client import HttpConnectionError, HttpError, HttpPool, HttpResponse, HttpTimeout
+from kcloak.simulators.errors import SimulatorError
+from kcloak.wire.http_client import HttpClientError as HttpError
+from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpResponse, HttpTimeout
 from kcloak.wire.mqtt_client import Incoming, MqttError
 from kcloak.wire.mqtt_client import MqttClient as WireMqttClient
 from kcloak.wire.mqtt_codec import MAX_REMAINING_LENGTH
@@ -32,7 +34,7 @@ DEFAULT_MQTT_PORT = 1883
 DEFAULT_HTTP_PORT = 8470
 
 
-class TransportError(ConnectionError):
+class TransportError(SimulatorError, ConnectionError):
     """The broker is unreachable, refused us, or the connection broke (exit 1 at the CLI)."""
 
 

@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import haversine_m_array
+from kcloak.streams.errors import StreamsError
 from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
@@ -37,7 +39,7 @@ DEFAULT_VICTIMS = 1000
 """Victims attacked per target (a seeded sample when there are more trajectories)."""
 
 
-class LinkageError(ValueError):
+class LinkageError(StreamsError, InputError, ValueError):
     """Unusable attack input (no trajectories, bad m, a mapping naming unknown trajectories)."""
 
 

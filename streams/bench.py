@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import BenchError
 from kcloak.core.geometry import Aeqd
 from kcloak.core.readers import FixTable
 
@@ -46,10 +47,6 @@ BASE_T = 1_714_550_400.0
 
 STATUSES = ("ok", "failed", "timeout", "out_of_memory", "error")
 """Row ``status``: ``failed`` = the anonymization refused (too few trajectories or trash over the bound)."""
-
-
-class BenchError(ValueError):
-    """Bad benchmark parameters."""
 
 
 # -- synthetic data ---------------------------------------------------------------------------

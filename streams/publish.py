@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from kcloak.core.names import KDeltaMethod, values
 from kcloak.core.readers import FixTable
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult
 from kcloak.streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
-METHODS: tuple[str, ...] = ("nwa", "w4m", "microagg")
+METHODS: tuple[str, ...] = values(KDeltaMethod)
 """Methods :func:`anonymize` runs (contract §9 ``--method``)."""
 
 

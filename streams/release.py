@@ -18,6 +18,8 @@ from typing import Any, Literal
 from kcloak import __version__
 from kcloak.cloaking.tabular import ALGORITHMS, NotApplicable, QuasiIdentifier, Unsatisfiable, anonymize_table
 from kcloak.cloaking.tabular.km import KmAlgorithm, KmError, KmUnsatisfiable, release_places
+from kcloak.core.errors import InputError
+from kcloak.streams.errors import StreamsError
 from kcloak.streams.publish import fresh_ids
 from kcloak.streams.tables import BEFORE_COLUMNS, IDENTIFIERS, Table, TableKind
 
@@ -67,11 +69,11 @@ SENSITIVE: dict[TableKind, str | None] = {
 }
 
 
-class ReleaseError(ValueError):
+class ReleaseError(StreamsError, InputError, ValueError):
     """A parameter combination that does not apply (exit 2)."""
 
 
-class ReleaseUnsatisfiable(RuntimeError):
+class ReleaseUnsatisfiable(StreamsError, RuntimeError):
     """The privacy requirements cannot be met within the suppression budget (exit 1)."""
 
 

@@ -26,10 +26,12 @@ import numpy.typing as npt
 import shapely
 
 from kcloak.core import geohash
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import EARTH_RADIUS_M, haversine_m_array
 from kcloak.core.places import PoiSet
 from kcloak.core.readers import FixTable, ReaderError, open_text, read_fixes
 from kcloak.core.schemas import FIXES, FORWARDED, MOVEMENT_FILE, QUERYLOG_FILE, SchemaVersionError, SqliteFile
+from kcloak.streams.errors import StreamsError
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -73,7 +75,7 @@ ANY_CATEGORY = "any"
 _BAD_TEXT = set("|{}[]")
 
 
-class TableError(ValueError):
+class TableError(StreamsError, InputError, ValueError):
     """A source that cannot be read or does not fit the table (exit 2)."""
 
 

@@ -24,7 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.checks.reciprocity import wilson_interval
+from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.index import IndexView
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import UDEG_PER_DEG, BBox
 from kcloak.core.places import PlacesLayer
 from kcloak.core.profile import PrivacyProfile
@@ -48,7 +50,7 @@ class AttackName(enum.StrEnum):
     HOMOGENEITY = "homogeneity"
 
 
-class AttackError(ValueError):
+class AttackError(CloakingError, InputError, ValueError):
     """An attack that cannot run on the given data (missing background knowledge, bad parameter)."""
 
 

@@ -18,17 +18,18 @@ from kcloak.cloaking.cloakers.base import (
     finish_region,
     refuse,
 )
+from kcloak.core.names import SpatialAlgorithm, values
 
 # name -> "module:Class"; modules are imported on first use.
 _REGISTRY: dict[str, str] = {
-    "nn": "kcloak.cloaking.cloakers.nn:NearestNeighbourCloak",
-    "interval": "kcloak.cloaking.cloakers.interval:IntervalCloak",
-    "casper": "kcloak.cloaking.cloakers.casper:CasperCloak",
-    "hilbert": "kcloak.cloaking.cloakers.hilbert:HilbertCloak",
-    "clique": "kcloak.cloaking.cloakers.clique:CliqueCloak",
-    "privacygrid": "kcloak.cloaking.cloakers.privacygrid:PrivacyGridCloak",
+    SpatialAlgorithm.NN.value: "kcloak.cloaking.cloakers.nn:NearestNeighbourCloak",
+    SpatialAlgorithm.INTERVAL.value: "kcloak.cloaking.cloakers.interval:IntervalCloak",
+    SpatialAlgorithm.CASPER.value: "kcloak.cloaking.cloakers.casper:CasperCloak",
+    SpatialAlgorithm.HILBERT.value: "kcloak.cloaking.cloakers.hilbert:HilbertCloak",
+    SpatialAlgorithm.CLIQUE.value: "kcloak.cloaking.cloakers.clique:CliqueCloak",
+    SpatialAlgorithm.PRIVACYGRID.value: "kcloak.cloaking.cloakers.privacygrid:PrivacyGridCloak",
 }
-SPATIAL_ALGORITHMS: tuple[str, ...] = tuple(_REGISTRY)
+SPATIAL_ALGORITHMS: tuple[str, ...] = values(SpatialAlgorithm)
 
 
 def cloaker_class(name: str) -> type[Any]:

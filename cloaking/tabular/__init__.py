@@ -7,7 +7,7 @@ k-anonymity, ℓ-diversity (distinct, entropy, recursive (c, ℓ)) and t-closene
 
 from __future__ import annotations
 
-from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable, TabularError, Unsatisfiable
+from kcloak.cloaking.tabular._errors import InvalidTableInput, NotApplicable, TabularError, Unsatisfiable
 from kcloak.cloaking.tabular._release import ALGORITHMS, TabularRelease, anonymize_table
 from kcloak.cloaking.tabular._table import QuasiIdentifier
 from kcloak.cloaking.tabular.hierarchy import (
@@ -24,7 +24,7 @@ __all__ = [
     "GridHierarchy",
     "Hierarchy",
     "IntervalHierarchy",
-    "InvalidInput",
+    "InvalidTableInput",
     "NotApplicable",
     "PrefixHierarchy",
     "QuasiIdentifier",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from kcloak.cloaking.errors import CloakingError
+from kcloak.core.errors import InputError
 
-class TabularError(Exception):
+
+class TabularError(CloakingError):
     """Base of every error raised by :mod:`kcloak.cloaking.tabular`."""
 
 
-class NotApplicable(TabularError, ValueError):
+class NotApplicable(TabularError, InputError, ValueError):
     """The requested combination does not apply (e.g. Anatomy without a sensitive column): exit 2."""
 
 
-class InvalidInput(NotApplicable):
+class InvalidTableInput(NotApplicable):
     """Bad parameters or unusable input values (non-numeric value in a numeric QI, ...): exit 2."""
 
 

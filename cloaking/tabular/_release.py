@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable
+from kcloak.cloaking.tabular._errors import InvalidTableInput, NotApplicable
 from kcloak.cloaking.tabular._table import Outcome, QuasiIdentifier, Table
 from kcloak.cloaking.tabular.criteria import (
     CriteriaSet,
@@ -22,19 +22,11 @@ from kcloak.cloaking.tabular.criteria import (
 )
 from kcloak.cloaking.tabular.hierarchy import CategoricalHierarchy
 from kcloak.cloaking.tabular.metrics import release_metrics
+from kcloak.core.names import TabularAlgorithm, values
 
 IntArray = npt.NDArray[np.int64]
 
-ALGORITHMS: tuple[str, ...] = (
-    "samarati",
-    "incognito",
-    "ola",
-    "mondrian",
-    "mondrian-relaxed",
-    "mdav",
-    "kaca",
-    "anatomy",
-)
+ALGORITHMS: tuple[str, ...] = values(TabularAlgorithm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +103,12 @@ def anonymize_table(
     if not quasi_identifiers:
         raise NotApplicable("at least one quasi-identifier is needed")
     if not (0.0 <= max_suppression <= 1.0) or math.isnan(max_suppression):
-        raise InvalidInput("max_suppression must be in [0, 1]")
+        raise InvalidTableInput("max_suppression must be in [0, 1]")
     qi_cols = [c_ for q in quasi_identifiers for c_ in q.columns]
     if len(set(qi_cols)) != len(qi_cols) or len({q.name for q in quasi_identifiers}) != len(quasi_identifiers):
-        raise InvalidInput("quasi-identifier names and columns must be distinct")
+        raise InvalidTableInput("quasi-identifier names and columns must be distinct")
     if sensitive is not None and sensitive in qi_cols:
-        raise InvalidInput(f"column {sensitive!r} cannot be both quasi-identifier and sensitive")
+        raise InvalidTableInput(f"column {sensitive!r} cannot be both quasi-identifier and sensitive")
     n = len(rows)
     needed = [*qi_cols, *([sensitive] if sensitive is not None else [])]
     columns: dict[str, list[Any]] = {}
@@ -124,10 +116,10 @@ def anonymize_table(
         try:
             columns[col] = [r[col] for r in rows]
         except KeyError as exc:
-            raise InvalidInput(f"missing column {col!r}") from exc
+            raise InvalidTableInput(f"missing column {col!r}") from exc
     for col in qi_cols:
         if any(v is None or v == "" for v in columns[col]):
-            raise InvalidInput(f"column {col!r}: empty quasi-identifier value")
+            raise InvalidTableInput(f"column {col!r}: empty quasi-identifier value")
     if n == 0:
         build_criteria(k=k, l=l, l_kind=l_kind, c=c, t=t, sensitive=None if sensitive is None else _EMPTY)
         if algorithm == "anatomy" and (sensitive is None or l is None):

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.tabular._errors import InvalidInput
+from kcloak.cloaking.tabular._errors import InvalidTableInput
 from kcloak.cloaking.tabular.criteria import CriteriaSet
 from kcloak.cloaking.tabular.hierarchy import (
     CategoricalHierarchy,
@@ -42,12 +42,14 @@ class QuasiIdentifier:
 
     def __post_init__(self) -> None:
         if self.kind not in ("numeric", "time", "categorical", "latlon"):
-            raise InvalidInput(f"quasi-identifier {self.name!r}: unknown kind {self.kind!r}")
+            raise InvalidTableInput(f"quasi-identifier {self.name!r}: unknown kind {self.kind!r}")
         want = 2 if self.kind == "latlon" else 1
         if len(self.columns) != want:
-            raise InvalidInput(f"quasi-identifier {self.name!r}: kind {self.kind} needs {want} column(s)")
+            raise InvalidTableInput(f"quasi-identifier {self.name!r}: kind {self.kind} needs {want} column(s)")
         if self.hierarchy is not None and self.hierarchy.n_columns != want:
-            raise InvalidInput(f"quasi-identifier {self.name!r}: hierarchy is for {self.hierarchy.n_columns} column(s)")
+            raise InvalidTableInput(
+                f"quasi-identifier {self.name!r}: hierarchy is for {self.hierarchy.n_columns} column(s)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +101,15 @@ class Table:
                     raw = [str(v) for v in self.columns[q.columns[0]]]
                     bad = sorted({v for v in raw if _SET_CHARS & set(v)})
                     if bad:
-                        raise InvalidInput(f"column {q.columns[0]!r}: categorical values may not contain |{{}}[]")
+                        raise InvalidTableInput(f"column {q.columns[0]!r}: categorical values may not contain |{{}}[]")
                     order: tuple[str, ...]
                     if isinstance(q.hierarchy, CategoricalHierarchy):
                         order = q.hierarchy.leaves
                         unknown = sorted(set(raw) - set(order))
                         if unknown:
-                            raise InvalidInput(f"column {q.columns[0]!r}: value(s) not in the hierarchy: {unknown[:5]}")
+                            raise InvalidTableInput(
+                                f"column {q.columns[0]!r}: value(s) not in the hierarchy: {unknown[:5]}"
+                            )
                     else:
                         order = tuple(sorted(set(raw)))
                     rank = {v: r for r, v in enumerate(order)}

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.tabular._errors import InvalidInput, NotApplicable
+from kcloak.cloaking.tabular._errors import InvalidTableInput, NotApplicable
 from kcloak.cloaking.tabular.hierarchy import CategoricalHierarchy, format_number
 
 IntArray = npt.NDArray[np.int64]
@@ -222,14 +222,14 @@ class SensitiveColumn:
     @classmethod
     def build(cls, name: str, raw: Sequence[Any], hierarchy: CategoricalHierarchy | None = None) -> SensitiveColumn:
         if any(v is None for v in raw):
-            raise InvalidInput(f"column {name!r}: missing sensitive value")
+            raise InvalidTableInput(f"column {name!r}: missing sensitive value")
         strings = [str(v) for v in raw]
         if hierarchy is not None:
             domain = hierarchy.leaves
             index = {v: i for i, v in enumerate(domain)}
             missing = sorted({s for s in strings if s not in index})
             if missing:
-                raise InvalidInput(f"column {name!r}: value(s) not in the sensitive hierarchy: {missing[:5]}")
+                raise InvalidTableInput(f"column {name!r}: value(s) not in the sensitive hierarchy: {missing[:5]}")
             codes = np.fromiter((index[s] for s in strings), dtype=np.int64, count=len(strings))
             return cls(name, domain, codes, False, HierarchicalDistance.from_hierarchy(hierarchy, domain))
         try:
@@ -319,13 +319,13 @@ def build_criteria(
 ) -> CriteriaSet:
     """Validate the parameters and build the criteria set (k always; ℓ and t need a sensitive column)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise InvalidInput("k must be an integer >= 1")
+        raise InvalidTableInput("k must be an integer >= 1")
     crits: list[Criterion] = [KAnonymity(k)]
     if l_kind not in ("distinct", "entropy", "recursive"):
-        raise InvalidInput(f"unknown l_kind {l_kind!r}")
+        raise InvalidTableInput(f"unknown l_kind {l_kind!r}")
     if l is not None:
         if isinstance(l, bool) or not isinstance(l, int) or l < 1:
-            raise InvalidInput("l must be an integer >= 1")
+            raise InvalidTableInput("l must be an integer >= 1")
         if sensitive is None:
             raise NotApplicable("l-diversity needs a sensitive column")
         if l_kind == "distinct":
@@ -340,7 +340,7 @@ def build_criteria(
         raise NotApplicable("recursive (c,l)-diversity needs l")
     if t is not None:
         if not 0 < t <= 1:
-            raise InvalidInput("t must be in (0, 1]")
+            raise InvalidTableInput("t must be in (0, 1]")
         if sensitive is None:
             raise NotApplicable("t-closeness needs a sensitive column")
         crits.append(TCloseness(float(t), sensitive.distribution(), sensitive.distance))

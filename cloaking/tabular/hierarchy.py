@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.tabular._errors import InvalidInput
+from kcloak.cloaking.tabular._errors import InvalidTableInput
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -45,13 +45,13 @@ def format_number(x: float) -> str:
 
 
 def parse_numbers(values: Sequence[Any], column: str) -> FloatArray:
-    """Parse a column as finite floats; :class:`InvalidInput` names the column on failure."""
+    """Parse a column as finite floats; :class:`InvalidTableInput` names the column on failure."""
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"column {column!r}: non-numeric value in a numeric quasi-identifier") from exc
+        raise InvalidTableInput(f"column {column!r}: non-numeric value in a numeric quasi-identifier") from exc
     if arr.ndim != 1 or not np.all(np.isfinite(arr)):
-        raise InvalidInput(f"column {column!r}: missing or non-finite value in a numeric quasi-identifier")
+        raise InvalidTableInput(f"column {column!r}: missing or non-finite value in a numeric quasi-identifier")
     return arr
 
 
@@ -118,18 +118,18 @@ class CategoricalHierarchy:
 
     def __post_init__(self) -> None:
         if not self.paths:
-            raise InvalidInput("a categorical hierarchy needs at least one leaf")
+            raise InvalidTableInput("a categorical hierarchy needs at least one leaf")
         heights = {len(p) for p in self.paths.values()}
         if len(heights) != 1 or 0 in heights:
-            raise InvalidInput("every leaf of a categorical hierarchy needs the same number (>= 1) of ancestors")
+            raise InvalidTableInput("every leaf of a categorical hierarchy needs the same number (>= 1) of ancestors")
         parent: dict[tuple[int, str], tuple[str, ...]] = {}
         for path in self.paths.values():
             for level, name in enumerate(path):
                 above = tuple(path[level + 1 :])
                 if parent.setdefault((level, name), above) != above:
-                    raise InvalidInput(f"node {name!r} has two different parents (the hierarchy must be a tree)")
+                    raise InvalidTableInput(f"node {name!r} has two different parents (the hierarchy must be a tree)")
         if len({p[-1] for p in self.paths.values()}) != 1:
-            raise InvalidInput("a categorical hierarchy must have a single root")
+            raise InvalidTableInput("a categorical hierarchy must have a single root")
 
     @classmethod
     def flat(cls, values: Sequence[str]) -> CategoricalHierarchy:
@@ -172,7 +172,7 @@ class CategoricalHierarchy:
         values = [str(v) for v in columns[0]]
         unknown = sorted({v for v in values if v not in self.paths})
         if unknown:
-            raise InvalidInput(f"column {names[0]!r}: value(s) not in the hierarchy: {unknown[:5]}")
+            raise InvalidTableInput(f"column {names[0]!r}: value(s) not in the hierarchy: {unknown[:5]}")
         leaf_index = {leaf: i for i, leaf in enumerate(self.paths)}
         leaf_codes = np.fromiter((leaf_index[v] for v in values), dtype=np.int64, count=len(values))
         height = self.height
@@ -219,7 +219,7 @@ class PrefixHierarchy:
 
     def __post_init__(self) -> None:
         if any(d <= 0 for d in self.drops) or list(self.drops) != sorted(set(self.drops)):
-            raise InvalidInput("prefix drops must be positive and strictly increasing")
+            raise InvalidTableInput("prefix drops must be positive and strictly increasing")
 
     @property
     def n_columns(self) -> int:
@@ -301,14 +301,16 @@ class IntervalHierarchy:
         prev = None
         for w in self.widths:
             if not (w > 0 and math.isfinite(w)):
-                raise InvalidInput("interval widths must be positive")
+                raise InvalidTableInput("interval widths must be positive")
             if prev is not None:
                 ratio = w / prev
                 if ratio < 1.5 or abs(ratio - round(ratio)) > 1e-9 * ratio:
-                    raise InvalidInput("each interval width must be an integer multiple (>= 2) of the previous one")
+                    raise InvalidTableInput(
+                        "each interval width must be an integer multiple (>= 2) of the previous one"
+                    )
             prev = w
         if not self.widths and not self.suppress_top:
-            raise InvalidInput("an interval hierarchy needs at least one level")
+            raise InvalidTableInput("an interval hierarchy needs at least one level")
 
     @classmethod
     def time(cls) -> IntervalHierarchy:
@@ -385,16 +387,16 @@ class GridHierarchy:
 
     def __post_init__(self) -> None:
         if not (self.lat0 < self.lat1 and self.lon0 < self.lon1):
-            raise InvalidInput("grid hierarchy box must have positive extent")
+            raise InvalidTableInput("grid hierarchy box must have positive extent")
         for (bx, by), (cx, cy) in zip(self.levels, self.levels[1:], strict=False):
             if cx > bx or cy > by:
-                raise InvalidInput("grid levels must go from fine to coarse")
+                raise InvalidTableInput("grid levels must go from fine to coarse")
 
     @classmethod
     def geohash(cls, max_len: int = GEOHASH_MAX_LEN, min_len: int = 1) -> GridHierarchy:
         """Geohash prefixes of length ``max_len`` … ``min_len``, then ``*``: ``⌈5L/2⌉`` lon, ``⌊5L/2⌋`` lat bits."""
         if not 1 <= min_len <= max_len <= 12:
-            raise InvalidInput("geohash lengths must satisfy 1 <= min_len <= max_len <= 12")
+            raise InvalidTableInput("geohash lengths must satisfy 1 <= min_len <= max_len <= 12")
         lv = tuple(((5 * n + 1) // 2, (5 * n) // 2) for n in range(max_len, min_len - 1, -1))
         return cls(-90.0, 90.0, -180.0, 180.0, lv)
 
@@ -402,7 +404,7 @@ class GridHierarchy:
     def quadtree(cls, lat0: float, lat1: float, lon0: float, lon1: float, depth: int) -> GridHierarchy:
         """Quadtree cells of the box at depth ``depth`` … 1 (parent ``(i >> 1, j >> 1)``), then ``*``."""
         if not 1 <= depth <= 30:
-            raise InvalidInput("quadtree depth must be in 1..30")
+            raise InvalidTableInput("quadtree depth must be in 1..30")
         return cls(lat0, lat1, lon0, lon1, tuple((h, h) for h in range(depth, 0, -1)))
 
     @property
@@ -433,7 +435,7 @@ class GridHierarchy:
         lat = parse_numbers(columns[0], names[0])
         lon = parse_numbers(columns[1], names[1])
         if np.any((lat < self.lat0) | (lat > self.lat1) | (lon < self.lon0) | (lon > self.lon1)):
-            raise InvalidInput(f"columns {names[0]!r}/{names[1]!r}: coordinate outside the hierarchy's box")
+            raise InvalidTableInput(f"columns {names[0]!r}/{names[1]!r}: coordinate outside the hierarchy's box")
         codes: list[IntArray] = [_pair_codes(lat, lon)]
         cells: list[tuple[IntArray, IntArray]] = []
         for bx, by in self.levels:
@@ -493,4 +495,4 @@ def default_hierarchy(kind: str, columns: Sequence[Sequence[Any]], names: Sequen
         return CategoricalHierarchy.flat([str(v) for v in columns[0]])
     if kind == "latlon":
         return GridHierarchy.geohash()
-    raise InvalidInput(f"unknown quasi-identifier kind {kind!r}")
+    raise InvalidTableInput(f"unknown quasi-identifier kind {kind!r}")

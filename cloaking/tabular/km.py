@@ -39,13 +39,15 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.cloaking.errors import CloakingError
 from kcloak.core import geohash
+from kcloak.core.errors import InputError
+from kcloak.core.names import PlacesAlgorithm
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -54,14 +56,11 @@ Itemset = tuple[int, ...]
 """A sub-bag as block ids (block start indices), in the count tree's order."""
 
 
-class KmAlgorithm(StrEnum):
-    """``--algorithm`` values of the ``places`` table (contract §8)."""
-
-    ACD = "acd"
-    AA = "aa"
+KmAlgorithm = PlacesAlgorithm
+"""``--algorithm`` values of the ``places`` table (contract §8), named in :mod:`kcloak.core.names`."""
 
 
-class KmError(ValueError):
+class KmError(CloakingError, InputError, ValueError):
     """Bad parameters or records."""
 
 

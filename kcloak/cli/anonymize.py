@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from kcloak import __version__
-from kcloak.cli.main import UsageError
+from kcloak.cli.main import SubParsers, UsageError
+from kcloak.core.names import InputFormat, KDeltaMethod, TrajectoryDistance, values
 
-CONTRACT_METHODS = ("nwa", "w4m", "microagg")
+CONTRACT_METHODS = values(KDeltaMethod)
 
-# Spelled out so that building the ``kcloak`` parser imports neither numpy nor scipy; tests check
-# them against kcloak.core.readers.FORMATS and kcloak.streams.kdelta.w4m (DEFAULT_TAU_S, Distance). The
-# algorithms are imported when the command runs.
-FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
+# Spelled out so that building the ``kcloak`` parser imports neither numpy nor scipy; a test checks
+# it against kcloak.streams.kdelta.w4m.DEFAULT_TAU_S. The algorithms are imported when the command runs.
+FORMATS: tuple[str, ...] = values(InputFormat)
 DEFAULT_TAU_S = 60.0
-DISTANCES: tuple[str, ...] = ("edr", "lst")
+DISTANCES: tuple[str, ...] = values(TrajectoryDistance)
 
 
-def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
+def add_parser(sub: SubParsers) -> None:
+    p = sub.add_parser(
         "anonymize",
         help="publish trajectories only as (k,δ)-anonymous ones (Never Walk Alone, Wait For Me, microaggregation)",
         description=(

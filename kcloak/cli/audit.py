@@ -11,21 +11,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcloak.cli.bench_cloak import SPATIAL_ALGORITHMS, phase_progress
+from kcloak.cli._progress import phase_progress
 from kcloak.cli.main import UsageError
+from kcloak.core.names import InputFormat, KDeltaMethod, SpatialAlgorithm, values
 
 if TYPE_CHECKING:
+    from kcloak.cli.main import SubParsers
     from kcloak.cloaking.audit import AuditReport
 
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
-
 # Spelled out so that building the ``kcloak`` parser imports neither numpy nor the attacks; tests
-# check them against kcloak.cloaking.audit (DEFAULT_KS, DEFAULT_SYNTHETIC_USERS) and kcloak.core.readers.FORMATS.
+# check them against kcloak.cloaking.audit (DEFAULT_KS, DEFAULT_SYNTHETIC_USERS).
 DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
 DEFAULT_SYNTHETIC_USERS = 3000
-FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
-
-TRAJECTORY_METHODS = ("nwa", "w4m", "microagg")
+FORMATS: tuple[str, ...] = values(InputFormat)
+SPATIAL_ALGORITHMS: tuple[str, ...] = values(SpatialAlgorithm)
+TRAJECTORY_METHODS = values(KDeltaMethod)
 
 
 def add_parser(subparsers: SubParsers) -> None:

@@ -8,18 +8,17 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli._progress import rich_bar
 from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
+    from kcloak.cli.main import SubParsers
     from kcloak.streams.bench import AnonymizeBenchConfig
 
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-
-def add_parser(subparsers: SubParsers) -> None:
-    """Add ``bench anonymize``."""
-    p = bench_subparsers(subparsers).add_parser(
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench anonymize`` to the ``bench`` group."""
+    p = bench.add_parser(
         "anonymize",
         help="trajectory anonymization runtime, memory and quality per method and size",
         description=(
@@ -59,7 +58,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
     """Validate the flags (bad values raise :class:`UsageError`, exit 2)."""
-    from kcloak.streams.bench import AnonymizeBenchConfig, BenchError, validate
+    from kcloak.core.errors import BenchError
+    from kcloak.streams.bench import AnonymizeBenchConfig, validate
     from kcloak.streams.publish import METHODS
 
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))

@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-from kcloak.cli.bench_cloak import bench_subparsers
-from kcloak.cli.main import UsageError
+from kcloak.cli.main import SubParsers, UsageError
 
 
-def add_parser(subparsers: Any) -> None:
-    bench = bench_subparsers(subparsers)
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench broker`` to the ``bench`` group."""
     p = bench.add_parser(
         "broker",
         help="sustained updates/s and queries/s over MQTT and HTTP, and the latency the broker adds",

@@ -1,10 +1,4 @@
-"""``kcloak bench`` and its ``cloak`` benchmark (contract §9): flags in, report out.
-
-``bench`` is one command whose benchmarks are sub-subcommands contributed by the modules
-that own the work. A module adds one from its own ``add_parser(subparsers)`` (listed in
-``kcloak.cli.main``'s command modules) with ``bench_subparsers(subparsers).add_parser("broker", …)``;
-whichever module comes first creates the ``bench`` parser.
-"""
+"""``kcloak bench cloak`` (contract §9): flags in, report out (a benchmark of the group :mod:`kcloak.cli.bench`)."""
 
 from __future__ import annotations
 
@@ -13,54 +7,30 @@ import json
 import math
 import secrets
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kcloak.cli._progress import phase_progress
 from kcloak.cli.main import UsageError
+from kcloak.core.names import SpatialAlgorithm, values
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.progress import Progress as RichProgressBar
 
-    from kcloak.cloaking.bench import CloakBenchConfig, CloakBenchReport, Population, Progress
-
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+    from kcloak.cli.main import SubParsers
+    from kcloak.cloaking.bench import CloakBenchConfig, CloakBenchReport, Population
 
 DEFAULT_USERS = 100_000
 
-# Spelled out so that building the ``kcloak`` parser imports neither numpy nor the cloakers (every
-# ``*_cli`` module imports this one); tests check them against kcloak.cloaking.cloakers.SPATIAL_ALGORITHMS
-# and kcloak.cloaking.bench. The benchmark itself imports the real ones when it runs.
-SPATIAL_ALGORITHMS: tuple[str, ...] = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid")
+# Spelled out so that building the ``kcloak`` parser imports neither numpy nor the cloakers; tests
+# check them against kcloak.cloaking.bench. The benchmark itself imports the real ones when it runs.
+SPATIAL_ALGORITHMS: tuple[str, ...] = values(SpatialAlgorithm)
 K_LEVEL_WEIGHTS: tuple[float, float, float] = (0.25, 0.5, 0.25)
 DEFAULT_K_SPREAD = 0.5
 
 
-def bench_subparsers(subparsers: SubParsers) -> SubParsers:
-    """The sub-subcommand action of ``kcloak bench`` (created on first use)."""
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser(
-            "bench",
-            help="benchmarks: cloak, broker, lbs, anonymize, simulate, release",
-            description="Benchmarks. Each prints a readable table, or with --json exactly one JSON "
-            'object {"bench": NAME, "results": [...]} on stdout; progress goes to stderr.',
-        )
-        action = bench.add_subparsers(dest="bench", metavar="BENCH")
-        action.required = True
-        return action
-    for act in bench._actions:
-        if isinstance(act, argparse._SubParsersAction):
-            found: SubParsers = act
-            return found
-    raise RuntimeError("the bench parser has no sub-subcommands")  # pragma: no cover - built above
-
-
-def add_parser(subparsers: SubParsers) -> None:
-    """Add ``bench`` (if needed) and ``bench cloak``."""
-    bench = bench_subparsers(subparsers)
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench cloak`` to the ``bench`` group (:mod:`kcloak.cli.bench`)."""
     lo, mid, hi = K_LEVEL_WEIGHTS
     p = bench.add_parser(
         "cloak",
@@ -175,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
 
 def load_population(args: argparse.Namespace, seed: int) -> Population:
     """The synthetic population, or the snapshot of ``--data`` (unreadable data: exit 2)."""
-    from kcloak.cloaking.bench import BenchError, clustered_population, snapshot_population
+    from kcloak.cloaking.bench import clustered_population, snapshot_population
+    from kcloak.core.errors import BenchError
     from kcloak.core.readers import ReaderError, read_fixes
 
     try:
@@ -205,51 +176,6 @@ def run_bench_cloak(args: argparse.Namespace) -> int:
     else:
         print_table(report)
     return 1 if report.failed else 0
-
-
-class RichProgress:
-    """:class:`kcloak.cloaking.bench.Progress` drawn with ``rich`` on stderr, one bar per phase."""
-
-    def __init__(self, bar: RichProgressBar) -> None:
-        self._bar = bar
-        self._task: Any = None
-
-    def phase(self, description: str, total: int) -> None:
-        if self._task is not None:
-            self._bar.update(self._task, visible=False)
-        self._task = self._bar.add_task(description, total=total)
-
-    def advance(self, n: int) -> None:
-        if self._task is not None:
-            self._bar.advance(self._task, n)
-
-
-def rich_bar() -> RichProgressBar:
-    """The commands' progress bar on stderr (description, bar, done/total, elapsed), gone when done."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as RichProgressBar
-
-    return RichProgressBar(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
-@contextmanager
-def phase_progress(show: bool) -> Iterator[Progress]:
-    """A :class:`kcloak.cloaking.bench.Progress` drawn on stderr when ``show``, else one that shows nothing."""
-    from kcloak.cloaking.bench import NullProgress
-
-    if not show:
-        yield NullProgress()
-        return
-    with rich_bar() as bar:
-        yield RichProgress(bar)
 
 
 # -- the readable table -----------------------------------------------------------------------

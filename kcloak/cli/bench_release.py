@@ -21,16 +21,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.cli.bench_cloak import bench_subparsers, rich_bar
+from kcloak.cli._progress import rich_bar
 from kcloak.cli.main import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
+    from kcloak.cli.main import SubParsers
     from kcloak.streams.tables import Table, TableKind
-
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # Heavy modules (numpy, rich, the algorithms) are imported inside the functions, so that building
 # the ``kcloak`` parser stays fast.
@@ -84,8 +83,8 @@ def _ks(text: str) -> list[int]:
     return ks
 
 
-def add_parser(subparsers: SubParsers) -> None:
-    bench = bench_subparsers(subparsers)
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench release`` to the ``bench`` group."""
     p = bench.add_parser(
         "release",
         help="table releases on real traces: information loss and runtime; ACD vs AA; Mondrian at scale",

@@ -1,5 +1,5 @@
-"""``kcloak demo`` (contract §9): flags → :class:`kcloak.simulators.demo.DemoConfig` →
-:func:`kcloak.simulators.demo.run_demo`.
+"""``kcloak demo`` (contract §9): flags → :class:`kcloak.cli._demo_run.DemoConfig` →
+:func:`kcloak.cli._demo_run.run_demo`.
 
 Exit codes: 0 when the report is written (also after Ctrl-C), 1 when a part cannot start (port
 in use, MQTT broker unreachable) or the report cannot be written, 2 for a bad flag, 130 when
@@ -14,15 +14,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-# kcloak.broker.config.ALGORITHMS, spelled out so that building the ``kcloak`` parser imports no numpy
-# (a test checks the two agree); the demo itself is imported when the command runs.
-ALGORITHMS: tuple[str, ...] = ("nn", "interval", "casper", "hilbert", "clique", "privacygrid", "temporal")
+from kcloak.cli.main import SubParsers
+from kcloak.core.names import BROKER_ALGORITHMS
+
+# The broker's algorithms (kcloak.broker.config.ALGORITHMS is the same tuple); the demo itself is
+# imported when the command runs.
+ALGORITHMS: tuple[str, ...] = BROKER_ALGORITHMS
 
 MAX_USERS = 100_000
 
-# The demo's settings (shown in --help, used by kcloak.simulators.demo).
+# The demo's settings (shown in --help, used by kcloak.cli._demo_run).
 DEMO_QUERIES_PER_MIN = 3.0
 """Queries per simulated user per minute (``kcloak simulate`` defaults to 1)."""
 DEMO_QUERY_KIND = "mix"
@@ -74,9 +76,9 @@ def _duration(value: str) -> float:
     return s
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: SubParsers) -> None:
     """Register ``demo`` on the ``kcloak`` subcommand parser."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
+    p = subparsers.add_parser(
         "demo",
         help="see kcloak work in one minute: broker, LBS and simulated Beijing users, with a report",
         description=(
@@ -131,8 +133,8 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kcloak.broker.logs import setup_logging
-    from kcloak.simulators.demo import DemoConfig, DemoStartupError, print_summary, run_demo
+    from kcloak.cli._demo_run import DemoConfig, DemoStartupError, print_summary, run_demo
+    from kcloak.core.logs import setup_logging
     from kcloak.simulators.transport import TransportError
 
     err = Console(stderr=True)

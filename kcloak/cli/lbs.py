@@ -12,12 +12,13 @@ import errno
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kcloak import __version__
-from kcloak.broker.logs import log_event, setup_logging
+from kcloak.core.logs import log_event, setup_logging
 
 if TYPE_CHECKING:
+    from kcloak.cli.main import SubParsers
     from kcloak.core.places import PoiSet
 
 # The server (aiohttp), the POI layer (numpy) and asyncio are imported when the command runs, so
@@ -29,9 +30,9 @@ DEFAULT_LISTEN = "127.0.0.1:8471"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: SubParsers) -> None:
     """Register ``lbs`` on the ``kcloak`` subcommand parser."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
+    p = subparsers.add_parser(
         "lbs",
         help="run the reference LBS provider (the broker's default upstream)",
         description=(

@@ -1,8 +1,11 @@
 """The ``kcloak`` command line (contract §9): thin parsing, work done by the owning package.
 
-Each subcommand module exposes ``add_parser(subparsers)``; the parser's ``func`` default is a
-callable taking the parsed namespace and returning the exit code. Exit codes: 0 success,
-1 runtime failure, 2 usage or bad input.
+Each subcommand has one module in :mod:`kcloak.cli` (listed in :data:`COMMANDS`) exposing
+``add_parser(subparsers)``; ``bench`` is one group module (:mod:`kcloak.cli.bench`) whose
+benchmarks are modules of their own. A parser's ``func`` default is a callable taking the parsed
+namespace and returning the exit code. Exceptions that reach :func:`main` are mapped to exit codes
+by one table, :data:`EXIT_CODES`. Command modules import only argparse-level code at the top
+(``kcloak --help`` stays fast); the work, numpy and the algorithms are imported inside ``run``.
 """
 
 from __future__ import annotations
@@ -11,33 +14,64 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from kcloak import __version__
+from kcloak.core.errors import InputError, KcloakError
 
-# Modules that contribute subcommands, in the order ``--help`` lists them.
-_COMMAND_MODULES: tuple[str, ...] = (
-    "kcloak.cli.serve",
-    "kcloak.broker.mosquitto",
-    "kcloak.cli.bench_cloak",
-    "kcloak.cli.lbs",
-    "kcloak.cli.bench_lbs",
-    "kcloak.cli.bench_broker",
-    "kcloak.cli.anonymize",
-    "kcloak.cli.bench_anonymize",
-    "kcloak.cli.audit",
-    "kcloak.cli.demo",
-    "kcloak.cli.simulate",
-    "kcloak.cli.release",
-    "kcloak.cli.bench_release",
+COMMANDS: tuple[str, ...] = (
+    "serve",
+    "mosquitto_config",
+    "bench",
+    "lbs",
+    "anonymize",
+    "audit",
+    "demo",
+    "simulate",
+    "replay",
+    "load",
+    "release",
 )
+"""Modules of :mod:`kcloak.cli` that add one subcommand each, in the order ``kcloak --help`` lists them."""
 
 
-class UsageError(Exception):
+class UsageError(InputError):
     """Bad input detected after parsing (exit 2)."""
 
 
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (KeyboardInterrupt, 130),  # interrupted (Ctrl-C)
+    (InputError, 2),  # usage or bad input: UsageError and every package's input errors
+    (KcloakError, 1),  # any other failure kcloak reports: runtime failure
+)
+"""Exception roots → exit codes, first match wins (0 success; argparse's own errors also exit 2)."""
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code of ``exc`` from :data:`EXIT_CODES`, or ``None`` when no root matches."""
+    for root, code in EXIT_CODES:
+        if isinstance(exc, root):
+            return code
+    return None
+
+
+class SubParsers(Protocol):
+    """What a command module uses of ``add_subparsers()``'s result: ``add_parser``."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A (sub)command's parser that records itself in the namespace it fills, so that usage errors
+    found after parsing show that command's usage (the innermost command's parser wins)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_kcloak_parser=self)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kcloak",
         description=(
             "kcloak: a trusted anonymizer between mobile apps and location-based services. "
@@ -46,21 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"kcloak {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for name in _COMMAND_MODULES:
-        importlib.import_module(name).add_parser(sub)
-    _tag_subparsers(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"kcloak.cli.{name}").add_parser(sub)
     return parser
-
-
-def _tag_subparsers(parser: argparse.ArgumentParser) -> None:
-    """Let every (sub)command's namespace name its parser, so usage errors show that command's usage."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                child.set_defaults(_kcloak_parser=child)
-                _tag_subparsers(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,18 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code: int = args.func(args)
-    except UsageError as exc:
-        print(f"kcloak: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kcloak: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, KcloakError) as exc:
+        mapped = exit_code(exc)
+        if mapped is None:  # pragma: no cover - every root above is in the table
+            raise
+        print("kcloak: interrupted" if mapped == 130 else f"kcloak: error: {exc}", file=sys.stderr)
+        return mapped
     return code
-
-
-if __name__ == "__main__":
-    # Under ``python -m kcloak.cli.main`` this file runs as ``__main__``, a second copy beside the
-    # ``kcloak.cli.main`` the subcommands import: run the canonical one, so that its UsageError is caught.
-    from kcloak.cli.main import main as canonical_main
-
-    raise SystemExit(canonical_main())

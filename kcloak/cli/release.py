@@ -20,33 +20,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.cli.bench_cloak import rich_bar
+from kcloak.cli._progress import rich_bar
 from kcloak.cli.main import UsageError
+from kcloak.core.names import PlacesAlgorithm, TabularAlgorithm, values
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from kcloak.cli.main import SubParsers
     from kcloak.streams.release import ReleaseOutcome
 
-    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
-
 # Choices spelled out here so that building the parser imports nothing heavy; tests check them
-# against kcloak.streams.tables (TableKind, SOURCE_FORMATS), kcloak.cloaking.tabular.ALGORITHMS and
-# kcloak.streams.release.KM_ALGORITHMS.
+# against kcloak.streams.tables (TableKind, SOURCE_FORMATS, owned by the table builders).
 TABLES: tuple[str, ...] = ("trips", "staypoints", "places", "querylog")
 SOURCE_FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais", "table", "datadir")
 L_KINDS: tuple[str, ...] = ("distinct", "entropy", "recursive")
-TABULAR_ALGORITHMS: tuple[str, ...] = (
-    "samarati",
-    "incognito",
-    "ola",
-    "mondrian",
-    "mondrian-relaxed",
-    "mdav",
-    "kaca",
-    "anatomy",
-)
-PLACES_ALGORITHMS: tuple[str, ...] = ("acd", "aa")
+TABULAR_ALGORITHMS: tuple[str, ...] = values(TabularAlgorithm)
+PLACES_ALGORITHMS: tuple[str, ...] = values(PlacesAlgorithm)
 
 _STAGES = ("reading and building the table", "anonymizing", "writing")
 

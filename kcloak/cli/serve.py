@@ -11,13 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kcloak.broker.logs import log_event, setup_logging
+from kcloak.core.logs import log_event, setup_logging
 
 if TYPE_CHECKING:
     import asyncio
 
     from kcloak.broker.auth import TokenStore
     from kcloak.broker.config import Config
+    from kcloak.cli.main import SubParsers
 
 # kcloak.broker.auth, kcloak.broker.config (numpy through the profile) and asyncio are imported when the
 # command runs, so that ``kcloak --help`` stays fast.
@@ -49,8 +50,8 @@ _FLAG_KEYS = {
 }
 
 
-def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
+def add_parser(sub: SubParsers) -> None:
+    p = sub.add_parser(
         "serve",
         help="run the anonymizer broker (HTTP and MQTT in, cloaked queries out)",
         description=(
@@ -142,8 +143,8 @@ def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kcloak.broker.auth import TokensFileError
     from kcloak.broker.config import ConfigError
+    from kcloak.wire.tokens import TokensFileError
 
     try:
         cfg = effective_config(args)

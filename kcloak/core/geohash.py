@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import CoreError, InputError
+
 ALPHABET = "0123456789bcdefghjkmnpqrstuvwxyz"
 _DIGIT = {c: i for i, c in enumerate(ALPHABET)}
 _CHARS = np.array(list(ALPHABET))
@@ -20,7 +22,7 @@ MAX_PRECISION = 12
 I64 = npt.NDArray[np.int64]
 
 
-class GeohashError(ValueError):
+class GeohashError(CoreError, InputError, ValueError):
     """A precision out of range or a string that is not a geohash."""
 
 

@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import CoreError, InputError
+
 _TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}\Z")
 BUNDLED_POIS = "osm_beijing_pois.csv"
 
 
-class PoiFileError(ValueError):
+class PoiFileError(CoreError, InputError, ValueError):
     """A POI file that cannot be read at all (unreadable, unrecognised, no usable header)."""
 
 

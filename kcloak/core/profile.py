@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import CoreError, InputError
+
 
 class ReasonCode(enum.StrEnum):
     """Every reason code of the contract (§2): HTTP error codes, answer reasons, metric labels."""
@@ -40,7 +42,7 @@ class ReasonCode(enum.StrEnum):
     TOO_OLD = "too_old"
 
 
-class ProfileError(ValueError):
+class ProfileError(CoreError, InputError, ValueError):
     """A profile or override that cannot be used; ``code`` is the contract reason."""
 
     def __init__(self, code: ReasonCode, field: str | None, message: str) -> None:

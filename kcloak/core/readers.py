@@ -29,13 +29,16 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import CoreError, InputError
+from kcloak.core.names import InputFormat, values
+
 F64 = npt.NDArray[np.float64]
 StrArray = npt.NDArray[np.str_]
 
 CONTRACT_COLUMNS: tuple[str, ...] = ("traj_id", "t", "lat", "lon")
 
 
-class ReaderError(ValueError):
+class ReaderError(CoreError, InputError, ValueError):
     """Input that cannot be read at all: unreadable file, unknown format, unusable header."""
 
 
@@ -404,7 +407,7 @@ READERS: dict[str, Reader] = {
 }
 """Reader by contract ``--format`` name."""
 
-FORMATS: tuple[str, ...] = ("csv", "geolife", "gpx", "ais")
+FORMATS: tuple[str, ...] = values(InputFormat)
 """Every ``--format`` value of the contract (§9), supported or not yet."""
 
 

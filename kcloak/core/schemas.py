@@ -15,6 +15,8 @@ import sqlite3
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kcloak.core.errors import CoreError
+
 SCHEMA_VERSION = 1
 """The version every file is written with (``PRAGMA user_version``)."""
 
@@ -22,7 +24,7 @@ UNMARKED_VERSION = 0
 """``user_version`` of a file that has no marker: read as :data:`SCHEMA_VERSION`."""
 
 
-class SchemaVersionError(ValueError):
+class SchemaVersionError(CoreError, ValueError):
     """A SQLite file of a schema version this kcloak does not read."""
 
 

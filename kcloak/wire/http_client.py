@@ -17,7 +17,7 @@ this one speaks only what these callers need and costs a fraction of that:
   new connection (only if no byte of a response arrived); nothing else is retried here.
 
 Failures raise :class:`HttpTimeout`, :class:`HttpConnectionError` or :class:`HttpProtocolError`
-(all :class:`HttpError`). A connection is reused only after a complete response, so a timeout or
+(all :class:`HttpClientError`). A connection is reused only after a complete response, so a timeout or
 a cancellation never leaves a half-read connection in the pool. No cookies are ever kept.
 """
 
@@ -30,23 +30,25 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
+from kcloak.wire.errors import WireError
+
 DEFAULT_MAX_HEAD = 64 * 1024
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 
 
-class HttpError(Exception):
+class HttpClientError(WireError):
     """The request did not produce a complete HTTP response."""
 
 
-class HttpTimeout(HttpError):
+class HttpTimeout(HttpClientError):
     """No complete response within the timeout."""
 
 
-class HttpConnectionError(HttpError):
+class HttpConnectionError(HttpClientError):
     """Could not connect, or the connection broke before the response was complete."""
 
 
-class HttpProtocolError(HttpError):
+class HttpProtocolError(HttpClientError):
     """The peer's response is not valid HTTP/1.1, or exceeds the size limits."""
 
 
@@ -77,7 +79,7 @@ class Origin:
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
 
-class _Stale(Exception):
+class _Stale(WireError):
     """A reused connection was closed by the server before any byte of the response arrived."""
 
 
@@ -279,7 +281,7 @@ class HttpPool:
         content_type: str = "application/json",
         timeout_s: float | None = None,
     ) -> HttpResponse:
-        """Send one request and read the whole response (any status); raises :class:`HttpError`."""
+        """Send one request and read the whole response (any status); raises :class:`HttpClientError`."""
         if self._closed:
             raise HttpConnectionError("the client is closed")
         head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), self._fixed]
@@ -346,8 +348,8 @@ class HttpPool:
 
 
 __all__ = [
+    "HttpClientError",
     "HttpConnectionError",
-    "HttpError",
     "HttpPool",
     "HttpProtocolError",
     "HttpResponse",

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast
 
-from kcloak.broker.logs import log_event
+from kcloak.core.logs import log_event
+from kcloak.wire.errors import WireError
 from kcloak.wire.mqtt_codec import (
     DISCONNECT_PACKET,
     MAX_REMAINING_LENGTH,
@@ -45,7 +46,7 @@ _FLUSH_BYTES = 64 * 1024
 """Buffered outgoing bytes written at once rather than at the end of the loop turn."""
 
 
-class MqttError(ConnectionError):
+class MqttError(WireError, ConnectionError):
     """The MQTT broker is unreachable, refused us, broke the protocol or stopped answering, or the
     connection is gone."""
 

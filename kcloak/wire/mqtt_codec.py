@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import struct
 
+from kcloak.wire.errors import WireError
+
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
 SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT = 8, 9, 10, 11, 12, 13, 14
 
@@ -23,7 +25,7 @@ PINGRESP_PACKET = bytes([PINGRESP << 4, 0])
 DISCONNECT_PACKET = bytes([DISCONNECT << 4, 0])
 
 
-class MalformedFrame(ValueError):
+class MalformedFrame(WireError, ValueError):
     """A packet that breaks MQTT 3.1.1: a remaining length over four bytes or over the allowed
     size, or a field (a topic, a string, a packet id) that runs past the end of its packet."""
 

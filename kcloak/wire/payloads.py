@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kcloak.core.errors import InputError
 from kcloak.core.profile import PROFILE_FIELDS, ReasonCode
+from kcloak.wire.errors import WireError
 
 # Every identifier pattern ends in \Z: Python's ``$`` also matches before a final newline, which
 # would make "alice\n" a user id of its own. Use them with ``.match`` or ``.fullmatch``.
@@ -29,7 +31,7 @@ MAX_KNN_N = 100
 MAX_RADIUS_M = 50_000.0
 
 
-class InvalidInput(ValueError):
+class InvalidInput(WireError, InputError, ValueError):
     """Input refused with a contract reason code (``invalid``, ``too_large``, …)."""
 
     def __init__(self, message: str, *, field: str | None = None, code: ReasonCode = ReasonCode.INVALID) -> None:

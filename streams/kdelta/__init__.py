@@ -13,13 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import EARTH_RADIUS_M
+from kcloak.streams.errors import StreamsError
 from kcloak.streams.trajectory import Trajectory
 
 F64 = npt.NDArray[np.float64]
 
 
-class KDeltaError(ValueError):
+class KDeltaError(StreamsError, InputError, ValueError):
     """Invalid parameters of a (k,δ) algorithm (``k < 2``, ``delta < 0``, ``trash_max`` outside [0, 1], …)."""
 
 

@@ -44,7 +44,6 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ import numpy.typing as npt
 from scipy.spatial import cKDTree
 
 from kcloak.core.geometry import Aeqd
+from kcloak.core.names import TrajectoryDistance
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
 from kcloak.streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
 from kcloak.streams.trajectory import Trajectory
@@ -74,11 +74,8 @@ DEFAULT_MAX_CANDIDATES = 20
 """Exact distance evaluations per pivot: the candidates with the smallest lower bounds [design]."""
 
 
-class Distance(StrEnum):
-    """Time-tolerant trajectory distances of W4M (CONCEPTS §7.4)."""
-
-    EDR = "edr"
-    LST = "lst"
+Distance = TrajectoryDistance
+"""Time-tolerant trajectory distances of W4M (CONCEPTS §7.4), named in :mod:`kcloak.core.names`."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)

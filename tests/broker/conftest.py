@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from kcloak.broker.config import Config
-from kcloak.broker.mqtt import free_port
 from kcloak.broker.service import Broker
+from kcloak.wire.net import free_port
 
 
 @dataclass

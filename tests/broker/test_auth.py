@@ -6,7 +6,8 @@ import hashlib
 
 import pytest
 
-from kcloak.broker.auth import TokenLine, TokensFileError, TokenStore, parse_tokens, token_digest
+from kcloak.broker.auth import TokenStore
+from kcloak.wire.tokens import TokenLine, TokensFileError, parse_tokens, token_digest
 
 
 def test_plain_hashed_rotation_and_comments() -> None:

@@ -38,7 +38,7 @@ def test_short_run_reports_every_field_with_answered_queries() -> None:
 
 def test_cli_rejects_bad_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-I", "-m", "kcloak.cli.main", "bench", "broker", "--duration", "0", "--json"],
+        [sys.executable, "-I", "-m", "kcloak", "bench", "broker", "--duration", "0", "--json"],
         capture_output=True,
         text=True,
         timeout=60,

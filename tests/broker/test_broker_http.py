@@ -10,8 +10,9 @@ from typing import Any
 
 from aiohttp import ClientSession
 
-from kcloak.broker.auth import TokenStore, parse_tokens
+from kcloak.broker.auth import TokenStore
 from kcloak.broker.service import Broker
+from kcloak.wire.tokens import parse_tokens
 from tests.broker.conftest import SpyUpstream, broker_config
 
 

@@ -248,8 +248,8 @@ def test_connect_packet_bytes_follow_mqtt_3_1_1() -> None:
 
 
 async def test_client_raises_instead_of_waiting_when_it_cannot_connect() -> None:
-    from kcloak.broker.mqtt import free_port
     from kcloak.wire.mqtt_client import MqttClient, MqttError
+    from kcloak.wire.net import free_port
 
     with pytest.raises(MqttError, match="cannot connect"):
         async with asyncio.timeout(10), MqttClient(host="127.0.0.1", port=free_port(), on_messages=lambda _: None):

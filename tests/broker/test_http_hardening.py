@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession
 
-from kcloak.broker.logs import JsonFormatter
 from kcloak.broker.service import Broker
+from kcloak.core.logs import JsonFormatter
 from tests.broker.conftest import SpyUpstream, broker_config
 
 MARK = "Qx9vT4pL"

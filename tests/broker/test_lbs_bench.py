@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kcloak.cli.bench_lbs import LbsBenchConfig, search_stream
+from kcloak.broker.lbs_bench import LbsBenchConfig, search_stream
 from kcloak.cli.main import main
 from kcloak.core.geometry import bbox_area_m2
 from kcloak.core.places import load_pois

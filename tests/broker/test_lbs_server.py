@@ -19,9 +19,9 @@ import pytest
 
 from kcloak.broker.lbs import LbsEngine, LonLatBox
 from kcloak.broker.lbs_server import REGION_FIELDS, SEARCH_FIELDS, LbsServer
-from kcloak.broker.logs import JsonFormatter
 from kcloak.broker.upstream import SearchRequest as UpstreamRequest
 from kcloak.broker.upstream import UpstreamClient
+from kcloak.core.logs import JsonFormatter
 from kcloak.core.places import Poi, PoiSet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,7 +323,7 @@ async def test_logs_hold_no_coordinates_ids_or_categories(
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-m", "kcloak.cli.main", *args]
+    return [sys.executable, "-I", "-m", "kcloak", *args]
 
 
 async def _startup_url(proc: asyncio.subprocess.Process) -> str:

@@ -21,10 +21,10 @@ import pytest
 
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.mosquitto import mosquitto_hash
-from kcloak.broker.mqtt import free_port
 from kcloak.broker.service import Broker
 from kcloak.cli.main import main as cli_main
 from kcloak.wire.mqtt_client import Incoming, MqttClient
+from kcloak.wire.net import free_port
 from tests.broker.conftest import SpyUpstream, broker_config
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"

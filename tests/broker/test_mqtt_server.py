@@ -26,11 +26,12 @@ from hypothesis import strategies as st
 from paho.mqtt.enums import CallbackAPIVersion
 
 from kcloak import __version__
-from kcloak.broker.auth import TokenLine, TokenStore, token_digest
+from kcloak.broker.auth import TokenStore
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.mqtt_server import MqttServer, topic_matches
 from kcloak.broker.service import Broker
 from kcloak.wire.mqtt_codec import encode_packet, encode_utf8, split_frames
+from kcloak.wire.tokens import TokenLine, token_digest
 from tests.broker.conftest import SpyUpstream, broker_config
 
 needs_mosquitto_clients = pytest.mark.skipif(

@@ -13,14 +13,14 @@ import urllib.request
 from pathlib import Path
 
 from kcloak.broker.bench import wait_healthy
-from kcloak.broker.mqtt import free_port
+from kcloak.wire.net import free_port
 from tests.broker.conftest import SpyUpstream
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def kcloak(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-m", "kcloak.cli.main", *args]
+    return [sys.executable, "-I", "-m", "kcloak", *args]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -23,8 +23,8 @@ import pytest
 
 from kcloak import __version__
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.mqtt import free_port
 from kcloak.broker.upstream import MAX_RESPONSE_BYTES, Candidate, SearchRequest, UpstreamClient, UpstreamError
+from kcloak.wire.net import free_port
 
 BBOX = [116.391204, 39.903381, 116.402877, 39.913012]
 PSEUDONYM_RE = re.compile(r"[0-9a-f]{32}")

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kcloak.broker.auth import HEX64_RE, TOKEN_RE
 from kcloak.broker.publication import Window
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
 from kcloak.streams.quality import PUBLISHED_ID
@@ -25,6 +24,7 @@ from kcloak.wire.payloads import (
     valid_query_id,
     valid_user_id,
 )
+from kcloak.wire.tokens import HEX64_RE, TOKEN_RE
 
 
 @pytest.mark.parametrize(

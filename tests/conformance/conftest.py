@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kcloak(*args: str) -> list[str]:
     """The ``kcloak`` command line, run with this interpreter."""
-    return [sys.executable, "-I", "-m", "kcloak.cli.main", *args]
+    return [sys.executable, "-I", "-m", "kcloak", *args]
 
 
 def free_port() -> int:

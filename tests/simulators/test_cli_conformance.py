@@ -23,7 +23,6 @@ import pytest
 import kcloak.simulators.load as load_module
 from kcloak.broker.bench import mosquitto
 from kcloak.broker.lbs_server import LbsServer
-from kcloak.broker.mqtt import free_port
 from kcloak.cli.main import build_parser, main
 from kcloak.core.places import load_pois
 from kcloak.core.readers import FixTable
@@ -31,27 +30,12 @@ from kcloak.simulators.load import LoadConfig, run_load
 from kcloak.simulators.preflight import probe_broker, probe_mqtt
 from kcloak.simulators.replay import ReplayConfig, plan_replay
 from kcloak.simulators.transport import BrokerUrl, TransportError
+from kcloak.wire.net import free_port
 from tests.broker.conftest import SpyUpstream, spy  # noqa: F401
 from tests.simulators.test_traffic import real_broker, tokens_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-
-CLI_MODULES = (
-    "kcloak.cli.serve",
-    "kcloak.broker.mosquitto",
-    "kcloak.cli.bench_cloak",
-    "kcloak.cli.lbs",
-    "kcloak.cli.bench_broker",
-    "kcloak.cli.anonymize",
-    "kcloak.cli.bench_anonymize",
-    "kcloak.cli.audit",
-    "kcloak.cli.demo",
-    "kcloak.cli.simulate",
-    "kcloak.cli.release",
-    "kcloak.cli.bench_release",
-)
-"""Command modules whose parsers must build without heavy imports."""
 
 HEAVY = ("numpy", "scipy", "aiohttp", "matplotlib", "rich", "shapely", "asyncio")
 
@@ -71,45 +55,63 @@ async def _cli(*argv: str) -> int:
 def test_parser_modules_import_nothing_heavy() -> None:
     """``kcloak --help`` builds every command's parser: the command modules import only argparse-level code."""
     code = (
-        "import argparse, sys, importlib\n"
-        "p = argparse.ArgumentParser(); sub = p.add_subparsers()\n"
-        f"for name in {CLI_MODULES!r}:\n"
-        "    importlib.import_module(name).add_parser(sub)\n"
+        "import sys\n"
+        "from kcloak.cli.main import build_parser\n"
+        "build_parser()\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     out = subprocess.run([PYTHON, "-I", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"heavy modules imported while building the parsers: {out.strip()}"
 
 
-def test_parser_constants_match_their_owners() -> None:
-    """Choices spelled out in the CLI modules (to keep --help fast) agree with the modules that own them."""
+def _choices(path: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    action = next(a for a in _subparser(build_parser(), *path)._actions if flag in a.option_strings)
+    assert action.choices is not None, f"{path} {flag}: no choices"
+    return tuple(action.choices)
+
+
+def test_parser_choices_are_the_names_enums() -> None:
+    """The parsers' choices ARE the enums of kcloak.core.names, which the owning modules use too."""
     import kcloak.broker.config
-    import kcloak.cli.anonymize
-    import kcloak.cli.bench_cloak
-    import kcloak.cli.demo
-    import kcloak.cli.simulate
-    import kcloak.cloaking.audit
-    import kcloak.cloaking.bench
     import kcloak.core.readers
     import kcloak.simulators.bench
     import kcloak.simulators.traffic
-    from kcloak.cli import audit as audit_cli
+    import kcloak.streams.publish
     from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS
+    from kcloak.cloaking.tabular import ALGORITHMS as TABULAR
+    from kcloak.core import names
+    from kcloak.streams.kdelta import w4m
+    from kcloak.streams.release import KM_ALGORITHMS
+
+    v = names.values
+    for path in (("simulate",), ("load",)):
+        assert _choices(path, "--model") == v(names.MobilityModelName) == kcloak.simulators.bench.MODELS
+    for path in (("simulate",), ("replay",), ("load",)):
+        assert _choices(path, "--query-kind") == v(names.SimulatedQueryKind) == kcloak.simulators.traffic.QUERY_KINDS
+    for fmt_path in (("replay",), ("anonymize",), ("audit", "trajectories")):
+        assert _choices(fmt_path, "--format") == v(names.InputFormat) == kcloak.core.readers.FORMATS
+    assert _choices(("demo",), "--algorithm") == names.BROKER_ALGORITHMS == kcloak.broker.config.ALGORITHMS
+    assert names.BROKER_ALGORITHMS[: len(SPATIAL_ALGORITHMS)] == v(names.SpatialAlgorithm) == SPATIAL_ALGORITHMS
+    assert _choices(("anonymize",), "--distance") == v(names.TrajectoryDistance) == v(w4m.Distance)
+    assert v(names.KDeltaMethod) == kcloak.streams.publish.METHODS == kcloak.broker.config.PUBLISH_METHODS
+    assert v(names.TabularAlgorithm) == TABULAR
+    assert v(names.PlacesAlgorithm) == KM_ALGORITHMS
+
+
+def test_parser_defaults_match_their_owners() -> None:
+    """Numeric defaults spelled out in the CLI modules (to keep --help fast) agree with the modules that own them."""
+    import kcloak.cli.anonymize
+    import kcloak.cli.bench_cloak
+    import kcloak.cloaking.audit
+    import kcloak.cloaking.bench
+    from kcloak.cli import audit as audit_cli
     from kcloak.streams.kdelta import w4m
 
-    assert kcloak.cli.simulate.MODELS == kcloak.simulators.bench.MODELS
-    assert kcloak.cli.simulate.QUERY_KINDS == kcloak.simulators.traffic.QUERY_KINDS
-    assert kcloak.cli.simulate.FORMATS == kcloak.core.readers.FORMATS
-    assert kcloak.cli.bench_cloak.SPATIAL_ALGORITHMS == SPATIAL_ALGORITHMS
     assert kcloak.cli.bench_cloak.K_LEVEL_WEIGHTS == kcloak.cloaking.bench.K_LEVEL_WEIGHTS
     assert kcloak.cli.bench_cloak.DEFAULT_K_SPREAD == kcloak.cloaking.bench.DEFAULT_K_SPREAD
-    assert kcloak.cli.demo.ALGORITHMS == kcloak.broker.config.ALGORITHMS
-    assert kcloak.cli.anonymize.FORMATS == kcloak.core.readers.FORMATS
     assert kcloak.cli.anonymize.DEFAULT_TAU_S == w4m.DEFAULT_TAU_S
-    assert tuple(d.value for d in w4m.Distance) == kcloak.cli.anonymize.DISTANCES
     assert audit_cli.DEFAULT_KS == kcloak.cloaking.audit.DEFAULT_KS
     assert audit_cli.DEFAULT_SYNTHETIC_USERS == kcloak.cloaking.audit.DEFAULT_SYNTHETIC_USERS
-    assert audit_cli.FORMATS == kcloak.core.readers.FORMATS
 
 
 def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:

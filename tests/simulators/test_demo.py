@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kcloak.cli._demo_run import crop_streets, demo_area, traffic_end
 from kcloak.cli.main import main
-from kcloak.simulators.demo import crop_streets, demo_area, traffic_end
 from kcloak.simulators.streets import StreetGraph, parse_osm
 from tests.simulators.test_report import CONTRACT_KEYS, EXTENSION_KEYS
 
@@ -76,7 +76,7 @@ def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
         sys.executable,
         "-I",
         "-m",
-        "kcloak.cli.main",
+        "kcloak",
         "demo",
         "--users",
         "200",
@@ -107,13 +107,13 @@ def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
 
 def test_demo_runs_from_a_folder_whose_files_shadow_package_names(tmp_path: Path) -> None:
     """Files named like kcloak's packages in the current folder change nothing: the demo and its
-    children (``-I -m kcloak.cli.main``) put no current folder on ``sys.path`` (issue 14)."""
+    children (``-I -m kcloak``) put no current folder on ``sys.path`` (issue 14)."""
     here = tmp_path / "work"
     here.mkdir()
     for name in ("broker", "streams", "kcloak", "cloaking", "simulators"):
         (here / f"{name}.py").write_text(f"raise ImportError('the current folder\\'s {name}.py was imported')\n")
     report = tmp_path / "report"
-    cmd = [sys.executable, "-I", "-m", "kcloak.cli.main", "demo", "--users", "50", "--duration", "5"]
+    cmd = [sys.executable, "-I", "-m", "kcloak", "demo", "--users", "50", "--duration", "5"]
     proc = subprocess.run(
         [*cmd, "--report", str(report), "--no-progress"], cwd=here, capture_output=True, text=True, timeout=60
     )

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from kcloak.broker.bench import mosquitto
-from kcloak.broker.mqtt import free_port
 from kcloak.broker.service import Broker
 from kcloak.simulators.client import batch_payloads, percentiles_ms
 from kcloak.simulators.streets import StreetGraph, load_street_graph
@@ -33,6 +32,7 @@ from kcloak.simulators.traffic import (
     street_graph,
 )
 from kcloak.simulators.transport import BrokerUrl, TransportError
+from kcloak.wire.net import free_port
 from tests.broker.conftest import SpyUpstream, broker_config, spy  # noqa: F401
 
 WIDE = (ProfileShare(0.5, {"k": 2, "max_area_m2": 2.5e9}), ProfileShare(0.5, {"k": 3, "max_area_m2": 2.5e9}))

@@ -1,5 +1,10 @@
 """``kcloak demo``: the whole system on one machine for about a minute (contract §9 ``demo``).
 
+It lives in the command-line layer (not in :mod:`kcloak.simulators`): it orchestrates a broker
+(``kcloak serve`` with a configuration built and checked by :class:`kcloak.broker.config.Config`)
+and a reference LBS as child processes and draws a live ``rich`` table, which the layers below
+the command line may not do; the simulated users themselves are :mod:`kcloak.simulators.traffic`.
+
 :func:`run_demo` starts, at once and as child processes, the reference LBS (``kcloak lbs``,
 bundled Beijing POIs) and the broker (``kcloak serve`` with a generated TOML configuration and its
 embedded MQTT broker) on free loopback ports over a temporary data directory, so that the broker,
@@ -34,7 +39,6 @@ import contextlib
 import json
 import math
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -62,10 +66,12 @@ from kcloak.cli.demo import (
     DEMO_TAIL_RESERVE_S,
     DEMO_USERS_PER_KM2,
 )
+from kcloak.core.errors import KcloakError
 from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from kcloak.simulators.streets import StreetGraph, load_street_graph
 from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
 from kcloak.simulators.transport import TransportError
+from kcloak.wire.net import free_port
 
 T = TypeVar("T")
 
@@ -79,7 +85,7 @@ MIN_TRAFFIC_SHARE: Final = DEMO_MIN_TRAFFIC_SHARE
 STARTUP_TIMEOUT_S: Final = 60.0
 
 
-class DemoStartupError(RuntimeError):
+class DemoStartupError(KcloakError, RuntimeError):
     """A part of the demo could not start (port in use, a child process exited); exit 1."""
 
 
@@ -233,13 +239,6 @@ class _Display:
         return Group(table, clock)
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def demo_broker_config(cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mqtt_port: int, http_port: int) -> Config:
     """The broker's configuration for the demo: loopback only, temp data dir, short publication windows."""
     return Config().with_values(
@@ -353,7 +352,7 @@ class ChildProcess:
                 sys.executable,
                 "-I",  # isolated: no current folder or PYTHONPATH on sys.path, so nothing there can shadow kcloak
                 "-m",
-                "kcloak.cli.main",
+                "kcloak",
                 *self.args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,

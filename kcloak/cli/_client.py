@@ -1,0 +1,124 @@
+"""What ``kcloak simulate``, ``replay`` and ``load`` share: client flags, the broker probe, output.
+
+Exit codes: 0 success, 1 broker unreachable, not kcloak (:mod:`kcloak.simulators.preflight`) or
+connection lost, 2 bad flags or input. ``--json`` prints one object on stdout; progress bars go to
+stderr (off with ``--no-progress`` or when stderr is not a TTY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kcloak.cli._progress import rich_bar
+from kcloak.cli.main import UsageError
+from kcloak.core.names import InputFormat, MobilityModelName, SimulatedQueryKind, values
+
+if TYPE_CHECKING:
+    from kcloak.simulators.transport import TransportError
+
+MODELS: tuple[str, ...] = values(MobilityModelName)
+QUERY_KINDS: tuple[str, ...] = values(SimulatedQueryKind)
+FORMATS: tuple[str, ...] = values(InputFormat)
+FORMATTER = argparse.RawDescriptionHelpFormatter
+
+T = TypeVar("T")
+Progress = Callable[[int, int], None]
+"""Progress callback of the client commands: ``(done, total)``."""
+
+CLIENT_EPILOG = (
+    "--broker URL is mqtt://HOST[:PORT] (default port 1883) or http://HOST[:PORT] (default port\n"
+    '8470); the broker must answer as kcloak (retained kcloak/v1/broker/status "up" over MQTT,\n'
+    "GET /healthz over HTTP). --tokens FILE holds plaintext user:token lines: the client then acts\n"
+    "as those users, each on its own topic or route with its own credentials; without it (open\n"
+    "mode) one gateway connection carries every user. Progress goes to stderr (off when stderr is\n"
+    "not a terminal). Exit codes: 0 success, 1 broker unreachable, not kcloak or connection lost,\n"
+    "2 bad flags or input."
+)
+
+
+def client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", default="mqtt://127.0.0.1:1883", metavar="URL", help="broker (mqtt://127.0.0.1:1883)")
+    p.add_argument("--tokens", type=Path, default=None, metavar="FILE", help="user:token lines (open mode if absent)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@contextmanager
+def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    with rich_bar() as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
+
+    The probe uses the tokens file's first user over MQTT. Raises
+    :class:`~kcloak.simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
+    """
+    import asyncio
+
+    from kcloak.simulators.client import ClientInputError, load_client_tokens
+    from kcloak.simulators.preflight import probe_broker
+    from kcloak.simulators.traffic import SimulationInputError
+
+    try:
+        credentials = load_client_tokens(tokens)[0] if tokens is not None else None
+    except ClientInputError as exc:
+        raise UsageError(str(exc)) from None
+
+    async def checked() -> T:
+        await probe_broker(broker, credentials=credentials)
+        return await work()
+
+    try:
+        return asyncio.run(checked())
+    except SimulationInputError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(f"[bold]{title}[/bold]")
+    for key, value in obj.items():
+        console.print(f"  {key}: {json.dumps(value)}")
+
+
+def unreachable(exc: TransportError) -> int:
+    print(f"kcloak: error: {exc}", file=sys.stderr)
+    return 1
+
+
+def run_and_report(
+    args: argparse.Namespace, label: str, work: Callable[[Progress | None], Coroutine[Any, Any, Any]]
+) -> int:
+    """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
+    summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
+    Bad input raises (exit 2 through the command line's exit-code table)."""
+    from kcloak.simulators.transport import TransportError
+
+    with progress_bar(not args.no_progress, label) as update:
+        try:
+            summary = run_client(args.broker, args.tokens, lambda: work(update))
+        except TransportError as exc:
+            return unreachable(exc)
+    emit(summary.to_json(), args.json, f"kcloak {label}")
+    return 0

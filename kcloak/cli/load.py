@@ -1,0 +1,54 @@
+"""``kcloak load`` (contract §9): open-loop load at a target rate (:mod:`kcloak.simulators.load`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kcloak.cli import _client as client
+from kcloak.cli.main import SubParsers
+
+
+def add_parser(subparsers: SubParsers) -> None:
+    p = subparsers.add_parser(
+        "load",
+        help="open-loop load at a target message rate, latency from intended send time",
+        formatter_class=client.FORMATTER,
+        description=(
+            "Offer --rate messages per second for --duration seconds, open loop: message i is due at\n"
+            "start + i/rate whatever the broker does, so a slow broker shows up as latency instead of\n"
+            "silently lowering the load (no coordinated omission). A --query-fraction of messages are\n"
+            "queries, the rest single fixes on each user's own topic or route. Latency = answer (or HTTP\n"
+            "response) time - intended send time; over MQTT only queries are answered by kcloak.\n"
+            'JSON: {"target_rate", "achieved_rate", "duration_s", "sent_updates", "sent_queries",\n'
+            '"answers_ok", "answers_refused", "errors": {code: n}, "latency_ms": {"p50", "p90", "p99", "max"}, ...}.'
+        ),
+        epilog=client.CLIENT_EPILOG,
+    )
+    p.add_argument("--rate", type=float, default=1000.0, metavar="R", help="messages per second (1000)")
+    p.add_argument("--duration", type=float, default=30.0, metavar="S", help="seconds (30)")
+    p.add_argument("--users", type=int, default=10_000, metavar="N", help="users (10000)")
+    p.add_argument("--query-fraction", type=float, default=0.1, metavar="F", help="share of queries (0.1)")
+    p.add_argument("--query-kind", choices=client.QUERY_KINDS, default="mix", help="range, knn or mix (mix)")
+    p.add_argument("--model", choices=client.MODELS, default="waypoint", help="mobility model (waypoint)")
+    p.add_argument("--http-connections", type=int, default=256, metavar="N", help="HTTP query connections (256)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (random)")
+    client.client_flags(p)
+    p.set_defaults(func=run_load_cmd)
+
+
+def run_load_cmd(args: argparse.Namespace) -> int:
+    from kcloak.simulators.load import LoadConfig, run_load
+
+    cfg = LoadConfig(
+        rate=args.rate,
+        duration_s=args.duration,
+        users=args.users,
+        query_fraction=args.query_fraction,
+        query_kind=args.query_kind,
+        model=args.model,
+        broker=args.broker,
+        tokens=args.tokens,
+        seed=args.seed,
+        query_connections=args.http_connections,
+    )
+    return client.run_and_report(args, "load", lambda update: run_load(cfg, on_progress=update))
