@@ -23,6 +23,7 @@ from typing import Any
 from kcloak import __version__
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
+from kcloak.core.places import Poi
 from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from kcloak.wire.payloads import parse_json_object
 
@@ -33,13 +34,8 @@ class UpstreamError(BrokerError, RuntimeError):
     """The provider failed after the retries (answer reason ``upstream_error``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    poi_id: str
-    lat: float
-    lon: float
-    category: str
-    name: str
+Candidate = Poi
+"""One POI of the provider's answer: the same record as a POI of the places layer."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,9 +31,12 @@ def add_parser(bench: SubParsers) -> None:
     p.add_argument("--clients", type=int, default=2, metavar="N", help="client processes (2)")
     p.add_argument(
         "--client",
-        choices=("kcloak", "paho"),
-        default="kcloak",
-        help="MQTT client of the load generators: kcloak's own (default) or paho-mqtt",
+        choices=("mixed", "kcloak", "paho"),
+        default="mixed",
+        help=(
+            "MQTT client of the load generators: mixed (default: fixes from paho-mqtt, queries and "
+            "answers with kcloak's client), kcloak (both with kcloak's client) or paho (both with paho-mqtt)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
