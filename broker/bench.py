@@ -241,9 +241,10 @@ def _mqtt_update_worker(
 
 def _paho_update_worker(port: int, users: list[tuple[str, float, float]], duration_s: float) -> None:
     import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
 
     client = paho.Client(
-        paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
+        CallbackAPIVersion.VERSION2,
         client_id=f"bench-{os.getpid()}",
     )
     client.max_inflight_messages_set(1000)
@@ -417,11 +418,12 @@ def _paho_query_worker(
     import threading
 
     import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
 
     window = threading.Semaphore(QUERY_WINDOW)
     subscribed = threading.Event()
     client = paho.Client(
-        paho.CallbackAPIVersion.VERSION2,  # type: ignore[attr-defined]
+        CallbackAPIVersion.VERSION2,
         client_id=f"bench-{os.getpid()}",
     )
     client.on_subscribe = lambda *_: subscribed.set()

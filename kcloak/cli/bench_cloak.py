@@ -15,7 +15,7 @@ from kcloak.cli.main import UsageError
 from kcloak.core.names import SpatialAlgorithm, values
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
 
     from kcloak.cli.main import SubParsers
     from kcloak.cloaking.bench import CloakBenchConfig, CloakBenchReport, Population
@@ -206,7 +206,7 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
         f"max area {c.max_area_m2:,.0f} m², seed {c.seed}",
         title_justify="left",
     )
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("algorithm", "left"),
         ("requests", "right"),
         ("success", "right"),
@@ -222,8 +222,9 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
         ("upd/s", "right"),
         ("batch upd/s", "right"),
         ("B/user", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name == "algorithm")  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name == "algorithm")
     for r in d["results"]:
         if r.get("error"):
             table.add_row(r["algorithm"], str(r["requests"]), "[red]error[/red]")
