@@ -22,7 +22,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.cloakers.hilbert import hilbert_indices
+from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.grid import GRID_BITS, grid_coords
+from kcloak.core.errors import InputError
 from kcloak.core.geometry import coordinate_keys
 
 I64 = npt.NDArray[np.int64]
@@ -31,7 +33,7 @@ FORMAT = "kcloak.cells/1"
 """Value of the ``format`` member of a published cell map (see ``docs/cluster.md`` "Cells")."""
 
 
-class CellMapError(ValueError):
+class CellMapError(CloakingError, InputError, ValueError):
     """A cell map, a sample or a position that cannot be used (message never echoes the values)."""
 
 
@@ -63,7 +65,7 @@ class CellMap:
         order: the curve order (as :class:`HilbertCloak`'s ``order``; default 29).
     """
 
-    __slots__ = ("boundaries", "order")
+    __slots__ = ("_hash", "boundaries", "order")
 
     def __init__(self, boundaries: npt.ArrayLike, *, order: int = GRID_BITS) -> None:
         if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= GRID_BITS:
@@ -79,6 +81,7 @@ class CellMap:
         b.setflags(write=False)
         self.boundaries: I64 = b
         self.order = order
+        self._hash = hash((order, b.tobytes()))
 
     @property
     def cells(self) -> int:
@@ -91,7 +94,7 @@ class CellMap:
         return self.order == other.order and np.array_equal(self.boundaries, other.boundaries)
 
     def __hash__(self) -> int:
-        return hash((self.order, self.boundaries.tobytes()))
+        return self._hash
 
     def __repr__(self) -> str:
         return f"CellMap(cells={self.cells}, order={self.order})"

@@ -10,7 +10,6 @@ super-bucket, chosen so that reciprocity still holds for everyone sending the sa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -395,8 +394,10 @@ class _Group:
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
-    def __init__(self, view: IndexView, order: int, algorithm: str) -> None:
+    def __init__(self, view: IndexView, order: int, algorithm: str, view_rows: I64 | None = None) -> None:
         self.view = view
+        self.view_rows = view_rows
+        """Rows of a larger view that ``view``'s rows stand for (a cell's users): anonymizing sets use them."""
         self.algorithm = algorithm
         n = len(view)
         self.n = n
@@ -496,7 +497,9 @@ class _HilbertState:
         return BBox(int(m[0]), int(m[1]), int(m[2]), int(m[3]))
 
     def bucket_members(self, b: int) -> I64:
-        return self.rows[self.bounds[b] : self.bounds[b + 1]]
+        """Rows of bucket ``b``'s users (in :attr:`view_rows` when set)."""
+        r = self.rows[self.bounds[b] : self.bounds[b + 1]]
+        return r if self.view_rows is None else self.view_rows[r]
 
     def bucket_region(self, b: int, max_area_m2: float) -> CloakResult:
         """The region of bucket ``b`` under its members' stored profiles (cached once built).
@@ -573,13 +576,16 @@ class _HilbertState:
             mbr = bbox_around_keys(int(lon_k.min()), int(lat_k.min()), int(lon_k.max()), int(lat_k.max()))
             deficient = np.repeat(self.size_arr[b0:b1] < k, self.size_arr[b0:b1])
             anon = rows[deficient]
+            max_area = float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2
+            if self.view_rows is not None:
+                anon = self.view_rows[anon]
             anon.setflags(write=False)
             g = _Group(
                 gid=self.n_buckets + ((m << 6) | j),
                 mbr=mbr,
                 min_area_m2=float(self.amin_arr[b0:b1].max()),
                 anon_set=anon,
-                max_area_m2=float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2,
+                max_area_m2=max_area,
             )
             self.blocks[key] = g
         return g
@@ -622,13 +628,16 @@ class _CelledState:
         for rows in self.rows_of:
             local[rows] = np.arange(len(rows), dtype=np.int64)
         self.local = local
+        self.cell_list: list[int] = cell.tolist()
+        self.local_list: list[int] = local.tolist()
         self._states: dict[int, _HilbertState] = {}
 
     def cell_state(self, c: int) -> _HilbertState:
         """The buckets of cell ``c``, built on first use."""
         st = self._states.get(c)
         if st is None:
-            st = _HilbertState(cell_view(self.view, self.rows_of[c]), self.order, self.algorithm)
+            rows = self.rows_of[c]
+            st = _HilbertState(cell_view(self.view, rows), self.order, self.algorithm, view_rows=rows)
             self._states[c] = st
         return st
 
@@ -706,11 +715,8 @@ class HilbertCloak:
         if self.cells is None:
             return self._cloak(self.state(view), row, profile)[0]
         cs = self.celled_state(view)
-        c = int(cs.cell[row])
-        res = self._cloak(cs.cell_state(c), int(cs.local[row]), profile)[0]
-        if isinstance(res, Region):  # the anonymizing set in this view's rows
-            res = dataclasses.replace(res, anon_set=cs.rows_of[c][res.anon_set])
-        return res
+        c = cs.cell_list[row]
+        return self._cloak(cs.cell_state(c), cs.local_list[row], profile)[0]
 
     def _cloak(self, st: _HilbertState, row: int, profile: PrivacyProfile) -> tuple[CloakResult, int]:
         if profile.l > 1:
