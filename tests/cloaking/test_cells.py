@@ -317,6 +317,27 @@ def test_cell_regions_hold_k_of_the_global_snapshot_and_are_reciprocal(
     if cells == 1 and n >= int(k.max()):
         assert forwarded == n
 
+    # The same from the workers' side: one PositionIndex per cell holding only that cell's users
+    # (random tie salts, as a real worker draws them), today's cloaker, judged against everyone.
+    cell = cm.cell_of(lat, lon)
+    for c in range(cm.cells):
+        worker = PositionIndex(stale_after_s=60.0)
+        mine = [i for i in range(n) if cell[i] == c]
+        for i in mine:
+            worker.update(ids[i], float(lat[i]), float(lon[i]), 100.0)
+            worker.set_profile(ids[i], stored[ids[i]])
+        wview = worker.snapshot(120.0, seed=seed)
+        for u, row in wview.row_of.items():
+            res = HilbertCloak().cloak(wview, row, stored[u])
+            if isinstance(res, Refusal):
+                continue
+            assert {wview.user_ids[r] for r in res.anon_set.tolist()} <= {ids[i] for i in mine}
+            published = Published.of(res)
+            found = check_region(snap, u, published, effective=stored[u], stored=stored)
+            inside = len(users_inside(snap, _dec(published)))
+            assert inside >= res.k_achieved >= stored[u].k
+            assert [v for v in found if not (v.property == Property.K_ACHIEVED and res.k_achieved < inside)] == []
+
 
 def _dec(published: Published) -> Any:
     from decimal import Decimal
