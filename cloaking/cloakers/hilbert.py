@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +40,9 @@ from kcloak.core.geometry import (
     key_bounds_array,
 )
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+if TYPE_CHECKING:  # cells imports this module (hilbert_indices): the map is only a type here
+    from kcloak.cloaking.cells import CellMap
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -391,8 +394,10 @@ class _Group:
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
-    def __init__(self, view: IndexView, order: int, algorithm: str) -> None:
+    def __init__(self, view: IndexView, order: int, algorithm: str, view_rows: I64 | None = None) -> None:
         self.view = view
+        self.view_rows = view_rows
+        """Rows of a larger view that ``view``'s rows stand for (a cell's users): anonymizing sets use them."""
         self.algorithm = algorithm
         n = len(view)
         self.n = n
@@ -492,7 +497,9 @@ class _HilbertState:
         return BBox(int(m[0]), int(m[1]), int(m[2]), int(m[3]))
 
     def bucket_members(self, b: int) -> I64:
-        return self.rows[self.bounds[b] : self.bounds[b + 1]]
+        """Rows of bucket ``b``'s users (in :attr:`view_rows` when set)."""
+        r = self.rows[self.bounds[b] : self.bounds[b + 1]]
+        return r if self.view_rows is None else self.view_rows[r]
 
     def bucket_region(self, b: int, max_area_m2: float) -> CloakResult:
         """The region of bucket ``b`` under its members' stored profiles (cached once built).
@@ -569,13 +576,16 @@ class _HilbertState:
             mbr = bbox_around_keys(int(lon_k.min()), int(lat_k.min()), int(lon_k.max()), int(lat_k.max()))
             deficient = np.repeat(self.size_arr[b0:b1] < k, self.size_arr[b0:b1])
             anon = rows[deficient]
+            max_area = float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2
+            if self.view_rows is not None:
+                anon = self.view_rows[anon]
             anon.setflags(write=False)
             g = _Group(
                 gid=self.n_buckets + ((m << 6) | j),
                 mbr=mbr,
                 min_area_m2=float(self.amin_arr[b0:b1].max()),
                 anon_set=anon,
-                max_area_m2=float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2,
+                max_area_m2=max_area,
             )
             self.blocks[key] = g
         return g
@@ -595,6 +605,60 @@ class _HilbertState:
         return reg
 
 
+class _CelledState:
+    """Per-cell buckets of one view: each cell's users cloaked as an index holding them alone.
+
+    The users of cell ``c`` (rows ``rows_of[c]``, ascending) form a sub-view with the same
+    columns, seed and epoch, and get their own :class:`_HilbertState`: buckets restart at each
+    cell, regions count only the cell's own users (under-counting is safe), and ``k_unreachable``
+    is judged on the cell's population, exactly as a worker owning that cell alone would.
+    """
+
+    def __init__(self, view: IndexView, cells: CellMap, order: int, algorithm: str) -> None:
+        self.view = view
+        self.order = order
+        self.algorithm = algorithm
+        self.n_cells = cells.cells
+        cell = cells.cell_of_grid(view.gx, view.gy)
+        self.cell = cell
+        by_cell = np.argsort(cell, kind="stable")
+        starts = np.searchsorted(cell[by_cell], np.arange(cells.cells + 1))
+        self.rows_of = [by_cell[starts[c] : starts[c + 1]] for c in range(cells.cells)]
+        local = np.empty(len(view), np.int64)
+        for rows in self.rows_of:
+            local[rows] = np.arange(len(rows), dtype=np.int64)
+        self.local = local
+        self.cell_list: list[int] = cell.tolist()
+        self.local_list: list[int] = local.tolist()
+        self._states: dict[int, _HilbertState] = {}
+
+    def cell_state(self, c: int) -> _HilbertState:
+        """The buckets of cell ``c``, built on first use."""
+        st = self._states.get(c)
+        if st is None:
+            rows = self.rows_of[c]
+            st = _HilbertState(cell_view(self.view, rows), self.order, self.algorithm, view_rows=rows)
+            self._states[c] = st
+        return st
+
+
+def cell_view(view: IndexView, rows: I64) -> IndexView:
+    """A view holding only the given rows of ``view`` (same columns, instant, epoch and seed)."""
+    return IndexView(
+        user_ids=[view.user_ids[r] for r in rows.tolist()],
+        lat=view.lat[rows],
+        lon=view.lon[rows],
+        t=view.t[rows],
+        k=view.k[rows],
+        min_area_m2=view.min_area_m2[rows],
+        max_area_m2=view.max_area_m2[rows],
+        salt=view.salt[rows],
+        now=view.now,
+        epoch=view.epoch,
+        seed=view.seed,
+    )
+
+
 class HilbertCloak:
     """Hilbert Cloak with personalized buckets and aligned super-buckets (CONCEPTS §4.4).
 
@@ -605,6 +669,10 @@ class HilbertCloak:
     Keyword arguments:
         order: Hilbert curve order on the micro-degree grid (default 29: one cell per micro-degree;
             a smaller order uses cells of ``2^(29 − order)`` micro-degrees).
+        cells: a :class:`~kcloak.cloaking.cells.CellMap` of the same order, or ``None`` (default:
+            one curve over everyone). With a map, buckets restart at each cell and each cell's
+            users are cloaked as if the view held them alone (see :class:`_CelledState`); the
+            ``group`` of a batch answer is then ``cell_group · cells + cell``.
     """
 
     name: ClassVar[str] = "hilbert"
@@ -613,23 +681,42 @@ class HilbertCloak:
     cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
     vectorized: ClassVar[bool] = True
 
-    def __init__(self, *, order: int = GRID_BITS) -> None:
+    def __init__(self, *, order: int = GRID_BITS, cells: CellMap | None = None) -> None:
         if not 1 <= order <= GRID_BITS:
             raise ValueError(f"order: must be within [1, {GRID_BITS}]")
+        if cells is not None and cells.order != order:
+            raise ValueError("cells: the cell map's order must equal the cloaker's order")
         self.order = order
-        self._key = ("hilbert", order)
+        self.cells = cells
+        self._key: tuple[object, ...] = ("hilbert", order) if cells is None else ("hilbert", order, cells)
 
     def state(self, view: IndexView) -> _HilbertState:
-        """The per-view buckets (built on first use, cached in ``view.cache``)."""
+        """The per-view buckets (built on first use, cached in ``view.cache``); without a cell map only."""
+        if self.cells is not None:
+            raise ValueError("state: this cloaker has a cell map (use celled_state)")
         st: _HilbertState | None = view.cache.get(self._key)
         if st is None:
             st = _HilbertState(view, self.order, self.name)
             view.cache[self._key] = st
         return st
 
+    def celled_state(self, view: IndexView) -> _CelledState:
+        """The per-cell buckets (with a cell map only; cached in ``view.cache``)."""
+        if self.cells is None:
+            raise ValueError("celled_state: this cloaker has no cell map")
+        st: _CelledState | None = view.cache.get(self._key)
+        if st is None:
+            st = _CelledState(view, self.cells, self.order, self.name)
+            view.cache[self._key] = st
+        return st
+
     def cloak(self, view: IndexView, row: int, profile: PrivacyProfile) -> CloakResult:
         """Region of the querier's bucket (or super-bucket), or the refusal of §3.3."""
-        return self._cloak(self.state(view), row, profile)[0]
+        if self.cells is None:
+            return self._cloak(self.state(view), row, profile)[0]
+        cs = self.celled_state(view)
+        c = cs.cell_list[row]
+        return self._cloak(cs.cell_state(c), cs.local_list[row], profile)[0]
 
     def _cloak(self, st: _HilbertState, row: int, profile: PrivacyProfile) -> tuple[CloakResult, int]:
         if profile.l > 1:
@@ -674,10 +761,35 @@ class HilbertCloak:
         """Vectorized over the requests; super-bucket and A_min-override requests go one by one.
 
         ``group`` is the querier's bucket, or ``n_buckets + (m << 6 | j)`` for the super-bucket
-        ``[m·2^j, (m+1)·2^j)``.
+        ``[m·2^j, (m+1)·2^j)`` (with a cell map: that number times the cell count, plus the cell).
         """
-        st = self.state(view)
         rows = np.asarray(rows, dtype=np.int64)
+        if self.cells is None:
+            return self._batch(self.state(view), rows, profiles)
+        cs = self.celled_state(view)
+        out = BatchResult.empty(self.name, view.epoch, len(rows))
+        cell = cs.cell[rows]
+        by_cell = np.argsort(cell, kind="stable")
+        cuts = np.flatnonzero(np.diff(cell[by_cell])) + 1
+        for idx in np.split(by_cell, cuts) if len(rows) else []:
+            c = int(cell[idx[0]])
+            sub = ProfileArrays(
+                k=profiles.k[idx],
+                l=profiles.l[idx],
+                min_area_m2=profiles.min_area_m2[idx],
+                max_area_m2=profiles.max_area_m2[idx],
+                max_delay_s=profiles.max_delay_s[idx],
+            )
+            part = self._batch(cs.cell_state(c), cs.local[rows[idx]], sub)
+            out.status[idx] = part.status
+            out.bbox[idx] = part.bbox
+            out.k_achieved[idx] = part.k_achieved
+            out.area_m2[idx] = part.area_m2
+            out.group[idx] = np.where(part.group >= 0, part.group * cs.n_cells + c, -1)
+        return out
+
+    def _batch(self, st: _HilbertState, rows: I64, profiles: ProfileArrays) -> BatchResult:
+        view = st.view
         m = len(rows)
         out = BatchResult.empty(self.name, view.epoch, m)
         if m == 0:
@@ -727,6 +839,7 @@ __all__ = [
     "HilbertCloak",
     "bbox_areas_m2",
     "bboxes_around_keys",
+    "cell_view",
     "cover_counts",
     "group_extents",
     "hilbert_index",
