@@ -72,7 +72,7 @@ async def test_one_users_fixes_stay_in_one_partition_in_order(nats_cluster: Nats
             sub = await js.pull_subscribe(
                 f"kcloak.v1.update.{partition}.*", durable=f"part-{partition}", stream="UPDATES"
             )
-            pending = (await sub.consumer_info()).num_pending
+            pending = (await sub.consumer_info()).num_pending or 0
             for _ in range(pending):
                 for msg in await sub.fetch(1, timeout=5):
                     user, seq = msg.data.decode().rsplit(":", 1)
