@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kcloak.broker.config import ConfigError
+
 NATS_SERVER = "nats-server"
 CLUSTER_NAME = "kcloak"
 
@@ -87,7 +89,7 @@ def write_cluster_configs(
     """Write ``<name>.conf`` for every node into ``directory`` and create the store folders; returns the paths."""
     names = [node.name for node in nodes]
     if len(set(names)) != len(names):
-        raise ValueError("NATS node names must be unique")
+        raise ConfigError("NATS node names must be unique")
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for node in nodes:

@@ -106,6 +106,18 @@ class NatsCluster:
         }
         return all(node.name in current for node in self.nodes if node.name != leader and self.alive(node.name))
 
+    def healthy(self) -> bool:
+        """Every live node's ``/healthz`` answers ok (its JetStream is current: it serves the JetStream API)."""
+        for node in self.nodes:
+            if not self.alive(node.name):
+                continue
+            try:
+                if monitor(node, "/healthz").get("status") != "ok":
+                    return False
+            except (OSError, urllib.error.URLError, ValueError):
+                return False  # 503 while JetStream catches up
+        return True
+
     def wait_meta_leader(self, timeout_s: float = START_TIMEOUT_S) -> str:
         """Block until every live node names the same live meta leader, and return its name."""
         deadline = time.monotonic() + timeout_s
@@ -115,7 +127,7 @@ class NatsCluster:
                     raise RuntimeError(f"nats-server {name} exited with {proc.returncode}: {self.log_tail(name)}")
             leaders = {self.meta_leader(node) for node in self.nodes if self.alive(node.name)}
             leader = leaders.pop() if len(leaders) == 1 else None
-            if leader is not None and self.alive(leader) and self.peers_current(leader):
+            if leader is not None and self.alive(leader) and self.peers_current(leader) and self.healthy():
                 return leader  # (survivors name a SIGKILLed leader for a while)
             time.sleep(0.1)
         raise TimeoutError(f"no JetStream meta leader within {timeout_s} s: {self.log_tail(self.nodes[0].name)}")

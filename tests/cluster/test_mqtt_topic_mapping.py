@@ -44,6 +44,7 @@ async def test_subject_with_double_slash_reaches_the_mqtt_topic_with_a_dot(nats_
     received: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     subscribed = asyncio.Event()
+    connected = asyncio.Event()
     client = paho.Client(CallbackAPIVersion.VERSION2, client_id="app-answer", protocol=paho.MQTTv311)
 
     def on_message(_client: paho.Client, _userdata: object, msg: paho.MQTTMessage) -> None:
@@ -52,14 +53,19 @@ async def test_subject_with_double_slash_reaches_the_mqtt_topic_with_a_dot(nats_
     def on_subscribe(*_args: object) -> None:
         loop.call_soon_threadsafe(subscribed.set)
 
+    def on_connect(*_args: object) -> None:
+        loop.call_soon_threadsafe(connected.set)
+
     client.on_message = on_message
     client.on_subscribe = on_subscribe
+    client.on_connect = on_connect
     client.connect(node.host, node.mqtt_port, keepalive=30)
     client.loop_start()
     nc = await nats.connect(servers=[nats_cluster.nodes[0].client_url])
     try:
+        await asyncio.wait_for(connected.wait(), 10)  # NATS sets up the MQTT session in JetStream first
         client.subscribe("kcloak/v1/answer/alice.b", qos=1)
-        await asyncio.wait_for(subscribed.wait(), 5)
+        await asyncio.wait_for(subscribed.wait(), 10)
         # the subscription is registered on node 3; interest reaches node 1 through the routes shortly after
         for _ in range(50):
             await nc.publish("kcloak.v1.answer.alice//b", b"answer-1")
