@@ -9,11 +9,13 @@ the test did, kills every node it started. Skipped with the reason when ``nats-s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +42,13 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the test process dies, even by SIGKILL, so no node outlives
+    an interrupted run (``PR_SET_PDEATHSIG``); elsewhere a no-op, and the fixture's teardown still kills them."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def monitor(node: NatsNode, path: str) -> dict[str, object]:
@@ -80,7 +89,11 @@ class NatsCluster:
         config = self.configs[[node.name for node in self.nodes].index(name)]
         with (self.log_dir / f"{name}.log").open("ab") as log:
             self.procs[name] = subprocess.Popen(
-                [str(self.binary), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [str(self.binary), "-c", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.killed.discard(name)
 
