@@ -1,0 +1,1 @@
+"""kcloak on a NATS JetStream cluster (issue 15): engine configuration and, later, cluster workers."""
