@@ -1,0 +1,251 @@
+"""The cluster's JetStream layout: subjects, streams, key-value buckets and consumers (docs/cluster.md).
+
+Everything a gateway, a worker and an operator must agree on lives here, so they cannot drift:
+
+- ``kcloak.in.<p>.<kind>.<token>`` — stream ``KCLOAK_IN`` (work queue, replicated): what apps sent,
+  validated by a gateway, partitioned **by user** (``p = partition_of(token, P)``, the FNV-1a hash NATS's
+  own ``partition()`` transform uses) so one pinned consumer per partition sees a user's messages in
+  order. ``kind`` is ``update``, ``updates``, ``profile`` or ``query``. Message id: the gateway's, so a
+  retried publish is stored once.
+- ``kcloak.cell.<c>.<p>.<token>`` — stream ``KCLOAK_CELLS`` (one message per subject): the latest event of
+  a user **in cell** ``c`` (a fix, or a ``leave`` once he moved away). Cell ``c``'s owner rebuilds its
+  index from the last message of every ``kcloak.cell.<c>.>`` subject; partition ``p``'s router rebuilds
+  each user's current cell and latest fix from ``kcloak.cell.*.<p>.>``.
+- ``kcloak.cellq.<c>`` — stream ``KCLOAK_CELLQ`` (work queue): queries routed to cell ``c``'s owner.
+- ``kcloak.ans.<token>.<qkey>`` — stream ``KCLOAK_ANSWERS`` (one message per subject, duplicate window):
+  the one answer of a query, message id ``<token>/<qkey>`` so a recomputed answer is dropped; the
+  stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
+- ``kcloak.out.status.<token>`` — core NATS: profile and session statuses for the gateways.
+- buckets ``kcloak_profiles`` (stored profile per user token) and ``kcloak_windows`` (publication ledger).
+
+A subject token is a user id or query id with ``.`` written as ``//`` (NATS's MQTT listener does the
+same, so both doors give one subject); user ids are ``[A-Za-z0-9._-]`` and query ids
+``[A-Za-z0-9._:-]``, all legal in a subject token otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kcloak.broker.config import ConfigError
+
+IN_STREAM = "KCLOAK_IN"
+CELLS_STREAM = "KCLOAK_CELLS"
+CELLQ_STREAM = "KCLOAK_CELLQ"
+ANSWERS_STREAM = "KCLOAK_ANSWERS"
+PROFILES_BUCKET = "kcloak_profiles"
+WINDOWS_BUCKET = "kcloak_windows"
+PRIORITY_GROUP = "kcloak"
+KINDS = ("update", "updates", "profile", "query")
+
+
+def subject_token(ident: str) -> str:
+    """A user or query id as one subject token (``.`` → ``//``); ids are validated before this."""
+    return ident.replace(".", "//")
+
+
+def ident_of(token: str) -> str:
+    """The id a :func:`subject_token` came from."""
+    return token.replace("//", ".")
+
+
+def fnv1a_32(data: bytes) -> int:
+    """32-bit FNV-1a, the hash of NATS's ``partition(n, ...)`` subject transform."""
+    value = 0x811C9DC5
+    for byte in data:
+        value = ((value ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return value
+
+
+def partition_of(token: str, partitions: int) -> int:
+    """The intake partition of a user's subject token (equal to NATS's ``{{partition(P,…)}}`` on it)."""
+    return fnv1a_32(token.encode()) % partitions
+
+
+def in_subject(partition: int, kind: str, token: str) -> str:
+    return f"kcloak.in.{partition}.{kind}.{token}"
+
+
+def in_filter(partition: int) -> str:
+    return f"kcloak.in.{partition}.>"
+
+
+def cell_subject(cell: int, partition: int, token: str) -> str:
+    return f"kcloak.cell.{cell}.{partition}.{token}"
+
+
+def cell_filter(cell: int) -> str:
+    return f"kcloak.cell.{cell}.>"
+
+
+def partition_cells_filter(partition: int) -> str:
+    return f"kcloak.cell.*.{partition}.>"
+
+
+def cellq_subject(cell: int) -> str:
+    return f"kcloak.cellq.{cell}"
+
+
+def answer_subject(token: str, qkey: str) -> str:
+    return f"kcloak.ans.{token}.{qkey}"
+
+
+def answer_msg_id(token: str, qkey: str) -> str:
+    return f"{token}/{qkey}"
+
+
+def answer_out_subject(token: str, qkey: str = "*") -> str:
+    """Where the answers stream republishes a stored answer (``qkey="*"``: a gateway's filter for a user)."""
+    return f"kcloak.out.ans.{token}.{qkey}"
+
+
+def status_out_subject(token: str) -> str:
+    return f"kcloak.out.status.{token}"
+
+
+def split_subject(subject: str, prefix: str, parts: int) -> list[str]:
+    """The ``parts`` tokens after ``prefix.`` of a subject; raises ValueError when it does not fit."""
+    if not subject.startswith(prefix + "."):
+        raise ValueError("subject outside the expected prefix")
+    tokens = subject[len(prefix) + 1 :].split(".")
+    if len(tokens) != parts:
+        raise ValueError("subject with an unexpected number of tokens")
+    return tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The numbers every process of one cluster must share (``kcloak serve --cluster`` options)."""
+
+    partitions: int = 16
+    cells: int = 1
+    replicas: int = 3
+    dedup_window_s: float = 600.0
+    position_ttl_s: float = 3600.0
+    pinned_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= 4096:
+            raise ConfigError("cluster.partitions must be within 1..4096")
+        if not 1 <= self.cells <= 65536:
+            raise ConfigError("cluster.cells must be within 1..65536")
+        if self.replicas not in (1, 3, 5):
+            raise ConfigError("cluster.replicas must be 1, 3 or 5")
+        for name in ("dedup_window_s", "position_ttl_s", "pinned_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"cluster.{name} must be > 0")
+
+    def stream_configs(self) -> list[dict[str, Any]]:
+        """The four streams as JetStream API configs (durations in nanoseconds)."""
+        ns = 1_000_000_000
+        base = {"storage": "file", "num_replicas": self.replicas, "discard": "old"}
+        return [
+            {
+                **base,
+                "name": IN_STREAM,
+                "subjects": ["kcloak.in.>"],
+                "retention": "workqueue",
+                "duplicate_window": int(self.dedup_window_s * ns),
+                "max_age": int(self.dedup_window_s * 6 * ns),
+            },
+            {
+                **base,
+                "name": CELLS_STREAM,
+                "subjects": ["kcloak.cell.>"],
+                "retention": "limits",
+                "max_msgs_per_subject": 1,
+                "max_age": int(self.position_ttl_s * ns),
+                "duplicate_window": int(min(self.dedup_window_s, self.position_ttl_s) * ns),
+            },
+            {
+                **base,
+                "name": CELLQ_STREAM,
+                "subjects": ["kcloak.cellq.*"],
+                "retention": "workqueue",
+                "duplicate_window": int(self.dedup_window_s * ns),
+                "max_age": int(self.dedup_window_s * ns),
+            },
+            {
+                **base,
+                "name": ANSWERS_STREAM,
+                "subjects": ["kcloak.ans.*.*"],
+                "retention": "limits",
+                "max_msgs_per_subject": 1,
+                "duplicate_window": int(self.dedup_window_s * ns),
+                "max_age": int(self.dedup_window_s * ns),
+                "allow_direct": True,
+                "republish": {"src": "kcloak.ans.*.*", "dest": "kcloak.out.ans.{{wildcard(1)}}.{{wildcard(2)}}"},
+            },
+        ]
+
+    def pinned_consumer_config(self, name: str, filter_subject: str) -> dict[str, Any]:
+        """A durable pull consumer whose messages go to one pinned client of group ``kcloak`` at a time."""
+        ns = 1_000_000_000
+        return {
+            "durable_name": name,
+            "name": name,
+            "filter_subject": filter_subject,
+            "ack_policy": "explicit",
+            "deliver_policy": "all",
+            "ack_wait": int(max(30.0, 6 * self.pinned_timeout_s) * ns),
+            "max_ack_pending": 10_000,
+            "priority_groups": [PRIORITY_GROUP],
+            "priority_policy": "pinned_client",
+            "priority_timeout": int(self.pinned_timeout_s * ns),
+            "num_replicas": self.replicas,
+        }
+
+    def consumers(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every pinned consumer: ``(stream, config)`` for each intake partition and each cell."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for p in range(self.partitions):
+            out.append((IN_STREAM, self.pinned_consumer_config(f"in-{p}", in_filter(p))))
+        for c in range(self.cells):
+            out.append((CELLS_STREAM, self.pinned_consumer_config(f"cell-{c}", cell_filter(c))))
+            out.append((CELLQ_STREAM, self.pinned_consumer_config(f"cellq-{c}", cellq_subject(c))))
+        return out
+
+
+class JetStreamApiError(RuntimeError):
+    """A JetStream API call answered with an error (the server's code and description, never payloads)."""
+
+
+async def api_request(nc: Any, subject: str, body: dict[str, Any] | None, *, timeout: float = 5.0) -> dict[str, Any]:
+    """One ``$JS.API`` request on a connected ``nats.aio.client.Client``; raises :class:`JetStreamApiError`."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    reply = await nc.request(f"$JS.API.{subject}", payload, timeout=timeout)
+    data: dict[str, Any] = json.loads(reply.data)
+    error = data.get("error")
+    if error:
+        raise JetStreamApiError(
+            f"{subject.split('.')[0].lower()} failed: {error.get('code')} {error.get('description')}"
+        )
+    return data
+
+
+async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> None:
+    """Create (or update to this layout) every stream, bucket and pinned consumer; safe to run from every process.
+
+    Consumers with priority groups are created through the JetStream API directly: nats-py 2.16 has no
+    ``priority_groups`` in its consumer configuration.
+    """
+    for config in layout.stream_configs():
+        name = config["name"]
+        try:
+            await api_request(nc, f"STREAM.CREATE.{name}", config, timeout=timeout)
+        except JetStreamApiError as exc:
+            if "already in use" not in str(exc) and "10058" not in str(exc):
+                raise
+            await api_request(nc, f"STREAM.UPDATE.{name}", config, timeout=timeout)
+    for stream, config in layout.consumers():
+        await api_request(
+            nc,
+            f"CONSUMER.CREATE.{stream}.{config['name']}",
+            {"stream_name": stream, "config": config, "action": ""},
+            timeout=timeout,
+        )
+    js = nc.jetstream(timeout=timeout)
+    for bucket in (PROFILES_BUCKET, WINDOWS_BUCKET):
+        await js.create_key_value(bucket=bucket, replicas=layout.replicas, history=1)
