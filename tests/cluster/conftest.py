@@ -18,12 +18,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
+import nats.errors
 import pytest
 
 from kcloak.broker.cluster.natsconf import NatsNode, local_nodes, nats_server_binary, write_cluster_configs
+
+T = TypeVar("T")
 
 NODES = 3
 START_TIMEOUT_S = 20.0
@@ -190,3 +194,19 @@ def mqtt_publish(node: NatsNode, messages: list[tuple[str, bytes]], *, client_id
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+async def retried(call: Callable[[], Awaitable[T]], timeout_s: float = 20.0) -> T:
+    """``call()`` again until it succeeds or ``timeout_s`` passes. For JetStream API calls whose failure is the
+    cluster settling, not the fact under test: right after a leader's SIGKILL the API times out until a new
+    leader is elected (about 5 s), and a busy host can still refuse an R3 placement for a moment after start."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (nats.errors.Error, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)

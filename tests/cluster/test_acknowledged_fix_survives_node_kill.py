@@ -20,7 +20,7 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
-from tests.cluster.conftest import NatsCluster, mqtt_publish
+from tests.cluster.conftest import NatsCluster, mqtt_publish, retried
 
 pytestmark = pytest.mark.cluster
 
@@ -46,7 +46,7 @@ async def create_r3_stream(nats_cluster: NatsCluster) -> str:
     nc = await nats.connect(servers=nats_cluster.urls)
     try:
         js = nc.jetstream(timeout=1.0)
-        await js.add_stream(name=STREAM, subjects=["kcloak.v1.update.>"], num_replicas=3)
+        await retried(lambda: js.add_stream(name=STREAM, subjects=["kcloak.v1.update.>"], num_replicas=3))
         return await stream_leader(js)
     finally:
         await nc.close()
@@ -59,7 +59,7 @@ async def stored_messages(nats_cluster: NatsCluster) -> list[bytes]:
         await stream_leader(nc.jetstream(timeout=1.0))
         js = nc.jetstream(timeout=5.0)
         info = await js.stream_info(STREAM)
-        sub = await js.pull_subscribe("kcloak.v1.update.>", durable="check")
+        sub = await retried(lambda: js.pull_subscribe("kcloak.v1.update.>", durable="check"))
         stored: list[bytes] = []
         while len(stored) < info.state.messages:
             stored += [m.data for m in await sub.fetch(info.state.messages - len(stored), timeout=5)]
@@ -94,8 +94,10 @@ async def test_mqtt_qos1_puback_does_not_wait_for_the_stream_to_store(nats_clust
     nc = await nats.connect(servers=nats_cluster.urls)
     try:
         js = nc.jetstream(timeout=1.0)
-        await js.add_stream(
-            name=STREAM, subjects=["kcloak.v1.update.>"], num_replicas=3, max_msgs=1, discard=DiscardPolicy.NEW
+        await retried(
+            lambda: js.add_stream(
+                name=STREAM, subjects=["kcloak.v1.update.>"], num_replicas=3, max_msgs=1, discard=DiscardPolicy.NEW
+            )
         )
         await stream_leader(js)
         await asyncio.to_thread(mqtt_publish, nats_cluster.nodes[0], fixes(), client_id="app-1")  # every PUBACK

@@ -10,7 +10,8 @@ import nats
 import pytest
 from nats.js.api import StreamConfig, SubjectTransform
 
-from tests.cluster.conftest import NatsCluster, mqtt_publish
+from kcloak.broker.cluster.topology import partition_of
+from tests.cluster.conftest import NatsCluster, retried
 
 pytestmark = pytest.mark.cluster
 
@@ -31,43 +32,45 @@ def fnv1a_32(data: bytes) -> int:
     return value
 
 
+async def publish_via(url: str, fixes: list[tuple[str, bytes]]) -> None:
+    """Publish each user's fixes on ``kcloak.v1.update.<token>`` through one node, waiting for each PubAck."""
+    nc = await nats.connect(servers=[url])
+    try:
+        js = nc.jetstream(timeout=10.0)
+        for user, payload in fixes:
+            await js.publish(f"kcloak.v1.update.{nats_token(user)}", payload)
+    finally:
+        await nc.close()
+
+
 async def test_one_users_fixes_stay_in_one_partition_in_order(nats_cluster: NatsCluster) -> None:
     nc = await nats.connect(servers=nats_cluster.urls)
     try:
         js = nc.jetstream(timeout=5.0)
-        await js.add_stream(
-            StreamConfig(
-                name="UPDATES",
-                subjects=["kcloak.v1.update.*"],
-                num_replicas=3,
-                subject_transform=SubjectTransform(
-                    src="kcloak.v1.update.*",
-                    dest=f"kcloak.v1.update.{{{{partition({PARTITIONS},1)}}}}.{{{{wildcard(1)}}}}",
-                ),
+        await retried(
+            lambda: js.add_stream(
+                StreamConfig(
+                    name="UPDATES",
+                    subjects=["kcloak.v1.update.*"],
+                    num_replicas=3,
+                    subject_transform=SubjectTransform(
+                        src="kcloak.v1.update.*",
+                        dest=f"kcloak.v1.update.{{{{partition({PARTITIONS},1)}}}}.{{{{wildcard(1)}}}}",
+                    ),
+                )
             )
         )
-        # interleaved across users, as many apps send at once; two MQTT connections on two nodes
-        fixes = [
-            (f"kcloak/v1/update/{user}", f"{user}:{seq}".encode()) for seq in range(FIXES_PER_USER) for user in USERS
-        ]
+        # interleaved across users, as many apps send at once; two publishers on two nodes, each fix
+        # acknowledged by the stream (a PubAck: NATS's MQTT PUBACK would not prove it was stored, fact 3b)
+        fixes = [(user, f"{user}:{seq}".encode()) for seq in range(FIXES_PER_USER) for user in USERS]
         half = len(USERS) // 2
         await asyncio.gather(
-            asyncio.to_thread(
-                mqtt_publish,
-                nats_cluster.nodes[0],
-                [f for f in fixes if f[0].split("/")[-1] in USERS[:half]],
-                client_id="a",
-            ),
-            asyncio.to_thread(
-                mqtt_publish,
-                nats_cluster.nodes[1],
-                [f for f in fixes if f[0].split("/")[-1] in USERS[half:]],
-                client_id="b",
-            ),
+            publish_via(nats_cluster.nodes[0].client_url, [f for f in fixes if f[0] in USERS[:half]]),
+            publish_via(nats_cluster.nodes[1].client_url, [f for f in fixes if f[0] in USERS[half:]]),
         )
 
         seen: dict[str, list[int]] = {}
-        partition_of: dict[str, set[int]] = {}
+        partition_of_user: dict[str, set[int]] = {}
         for partition in range(PARTITIONS):
             sub = await js.pull_subscribe(
                 f"kcloak.v1.update.{partition}.*", durable=f"part-{partition}", stream="UPDATES"
@@ -78,15 +81,17 @@ async def test_one_users_fixes_stay_in_one_partition_in_order(nats_cluster: Nats
                     user, seq = msg.data.decode().rsplit(":", 1)
                     assert msg.subject == f"kcloak.v1.update.{partition}.{nats_token(user)}"
                     seen.setdefault(user, []).append(int(seq))
-                    partition_of.setdefault(user, set()).add(partition)
+                    partition_of_user.setdefault(user, set()).add(partition)
                     await msg.ack()
 
         assert seen == {user: list(range(FIXES_PER_USER)) for user in USERS}  # every fix, each user in order
-        assert all(len(parts) == 1 for parts in partition_of.values())  # one partition per user
-        assert len({next(iter(parts)) for parts in partition_of.values()}) > 1  # and the users are spread
+        assert all(len(parts) == 1 for parts in partition_of_user.values())  # one partition per user
+        assert len({next(iter(parts)) for parts in partition_of_user.values()}) > 1  # and the users are spread
         # the rule, so a worker can compute a user's partition: FNV-1a (32 bit) of the subject token, mod P
-        assert {user: next(iter(parts)) for user, parts in partition_of.items()} == {
+        assert {user: next(iter(parts)) for user, parts in partition_of_user.items()} == {
             user: fnv1a_32(nats_token(user).encode()) % PARTITIONS for user in USERS
         }
+        # and kcloak's gateway computes the same partition without the transform
+        assert all(partition_of(nats_token(user), PARTITIONS) == next(iter(partition_of_user[user])) for user in USERS)
     finally:
         await nc.close()
