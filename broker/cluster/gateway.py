@@ -52,7 +52,6 @@ from kcloak.broker.cluster.topology import (
     subject_token,
 )
 from kcloak.broker.config import Config, parse_listen
-from kcloak.broker.errors import BrokerError
 from kcloak.broker.intake import FixResult
 from kcloak.broker.metrics import LATENCY_BUCKETS, Counter, Histogram, Metrics
 from kcloak.broker.pipeline import Pipeline, QueryOutcome
@@ -75,10 +74,6 @@ RETRY_BUDGET_S = 15.0
 REPLY_TIMEOUT_S = 15.0
 """How long an HTTP fix or a profile change waits for the router's outcome on ``Kcloak-Reply``."""
 CONNECT_TIMEOUT_S = 10.0
-
-
-class GatewayUnavailable(BrokerError, RuntimeError):
-    """NATS cannot be reached (at start) or the intake stream did not take a message in time."""
 
 
 def safe_endpoint(url: str) -> str:
@@ -761,7 +756,6 @@ __all__ = [
     "ClusterGateway",
     "ClusterPipeline",
     "Duplicate",
-    "GatewayUnavailable",
     "QueryRejected",
     "StoredAnswer",
     "default_worker_name",
