@@ -120,6 +120,19 @@ class GatewayMetrics:
         )
 
 
+class _NatsHealth:
+    """The NATS connection as one of ``/healthz``'s ``stores``: ``failing`` (503 degraded) while disconnected."""
+
+    store = "nats"
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    @property
+    def healthy(self) -> bool:
+        return self._state.get("nats") == "connected"
+
+
 class _NoUpstream:
     """The gateway calls no upstream (the cell owners do): ``/healthz`` reports it unknown."""
 
@@ -625,6 +638,7 @@ class ClusterGateway:
             reason = f"cannot reach NATS at {self.where()} within {self.connect_timeout_s:g} s"
             raise StartupError(f"cluster: {reason} ({type(exc).__name__})") from None
         self.state["nats"] = "connected"
+        self.state["stores"] = [_NatsHealth(self.state)]
         return nc
 
     async def _start(self) -> None:
@@ -679,7 +693,12 @@ class ClusterGateway:
             metrics=self.metrics,
             name=self.name,
         )
-        await worker.start()
+        try:
+            await worker.start()
+        except Exception as exc:
+            from kcloak.broker.service import StartupError
+
+            raise StartupError(f"cluster: the worker could not start ({type(exc).__name__})") from None
         self.worker = worker
         self._stack.push_async_callback(worker.stop)
 

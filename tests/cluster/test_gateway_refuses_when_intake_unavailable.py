@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import nats
@@ -22,8 +25,10 @@ from kcloak.core.profile import ReasonCode
 from kcloak.wire.net import free_ports
 from kcloak.wire.payloads import Fix
 from tests.cluster.conftest import NatsCluster
+from tests.cluster.gateway_fixtures import Gateway, gateway
 
 pytestmark = pytest.mark.cluster
+__all__ = ["gateway"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,3 +95,23 @@ def test_serve_cluster_without_nats_exits_with_one_sentence() -> None:
     assert f"kcloak serve: cluster: cannot reach NATS at 127.0.0.1:{nats_port} within 10 s" in proc.stderr
     out = proc.stdout + proc.stderr
     assert "Traceback" not in out and "s3cret" not in out and "operator" not in out
+
+
+def test_healthz_is_degraded_while_nats_is_unreachable(nats_cluster: NatsCluster, gateway: Gateway) -> None:
+    status, body = health(gateway)
+    assert status == 200 and body["stores"] == {"nats": "ok"}
+    for node in nats_cluster.nodes:
+        nats_cluster.kill9(node.name)
+    deadline = time.monotonic() + 15
+    while health(gateway)[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status, body = health(gateway)
+    assert status == 503 and body["status"] == "degraded" and body["stores"] == {"nats": "failing"}
+
+
+def health(gw: Gateway) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(gw.url("/healthz"), timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
