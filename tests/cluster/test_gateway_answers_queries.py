@@ -171,3 +171,62 @@ def test_a_query_nobody_answers_is_refused_overloaded_after_the_contract_wait(
     finally:
         app.close()
         gw.stop()
+
+
+async def play_router(cluster: NatsCluster, replies: dict[str, list[str | None]], timeout_s: float = 20.0) -> None:
+    """Answer the ``Kcloak-Reply`` of each user's latest ``updates`` message with that user's codes."""
+    from kcloak.broker.cluster.topology import IN_STREAM, in_subject, partition_of, subject_token
+    from tests.cluster.gateway_fixtures import PARTITIONS
+
+    nc = await nats.connect(servers=cluster.urls)
+    try:
+        js = nc.jetstream(timeout=5.0)
+        for user, codes in replies.items():
+            token = subject_token(user)
+            subject = in_subject(partition_of(token, PARTITIONS), "updates", token)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    msg = await js.get_msg(IN_STREAM, subject=subject)
+                    break
+                except nats.js.errors.NotFoundError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
+            body = json.loads(msg.data or b"{}")
+            assert len(body["updates"]) == len(codes) and all(set(f) == {"lat", "lon", "t"} for f in body["updates"])
+            assert (msg.headers or {})["Kcloak-Transport"] == "http"
+            await nc.publish((msg.headers or {})["Kcloak-Reply"], json.dumps({"codes": codes}).encode())
+    finally:
+        await nc.close()
+
+
+def test_an_http_batch_of_two_users_gets_each_routers_outcome_in_item_order(
+    nats_cluster: NatsCluster, gateway: Gateway
+) -> None:
+    t = time.time()
+    updates = [
+        {"user": "ann", "lat": 39.9, "lon": 116.4, "t": t},
+        {"user": "ben.c", "lat": 39.9, "lon": 116.4, "t": t},
+        {"user": "ann", "lat": 39.9, "lon": 116.4, "t": t + 1},
+        {"user": "ann", "lat": 999, "lon": 116.4, "t": t + 2},  # invalid at the door: never published
+        {"user": "ben.c", "lat": 39.9, "lon": 116.4, "t": t - 5},
+    ]
+
+    async def scenario() -> tuple[int, Any]:
+        request = asyncio.create_task(
+            asyncio.to_thread(http_json, "POST", gateway.url("/v1/locations"), {"updates": updates})
+        )
+        await play_router(nats_cluster, {"ann": [None, "out_of_order"], "ben.c": [None, "too_old"]})
+        return await request
+
+    status, body = asyncio.run(scenario())
+    assert status == 200
+    assert body == {
+        "accepted": 2,
+        "rejected": [
+            {"index": 2, "code": "out_of_order"},
+            {"index": 3, "code": "invalid"},
+            {"index": 4, "code": "too_old"},
+        ],
+    }
