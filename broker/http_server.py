@@ -334,7 +334,9 @@ def _profile_body(pipeline: Pipeline, user: str) -> dict[str, Any]:
 
 async def get_profile(request: web.Request) -> web.Response:
     user = _user(request)
-    return web.json_response(_profile_body(request.app[PIPELINE], user))
+    pipeline = request.app[PIPELINE]
+    await pipeline.load_profile(user)
+    return web.json_response(_profile_body(pipeline, user))
 
 
 async def put_profile(request: web.Request) -> web.Response:
@@ -380,6 +382,8 @@ async def _run_query(request: web.Request, body: dict[str, Any]) -> web.Response
         raise HttpError(exc.code, str(exc), field=exc.field) from None
     except Duplicate:
         raise HttpError(ReasonCode.DUPLICATE, "query_id: already used", query_id=body.get("query_id")) from None
+    if await pipeline.is_answered(user, qid):
+        raise HttpError(ReasonCode.DUPLICATE, "query_id: already used", query_id=qid)
     stored, _, _ = pipeline.get_profile(user)
     cfg = request.app[CONFIG]
     wait_s = stored.max_delay_s + cfg.upstream.deadline_s + 1.0

@@ -414,6 +414,9 @@ class MqttDoor:
         task.add_done_callback(self._done)
 
     async def _answer(self, user: str, qid: str, obj: dict[str, Any]) -> None:
+        if await self.pipeline.is_answered(user, qid):  # answered through another gateway (cluster)
+            self._drop("query", "duplicate")
+            return
         outcome = await self.pipeline.query("mqtt", user, qid, obj)
         await self.publish(f"{ROOT}answer/{user}", outcome.answer.to_json())
 

@@ -237,6 +237,10 @@ class Pipeline:
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:
         return self.profile_book.get(user)
 
+    async def load_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:
+        """:meth:`get_profile` for a door that may wait (a cluster gateway reads a shared bucket)."""
+        return self.get_profile(user)
+
     def profile_rate_ok(self, user: str) -> bool:
         return self.admission.profile_rate_ok(user)
 
@@ -249,6 +253,11 @@ class Pipeline:
         """The checks a transport needs before it can promise an answer: the ``query_id`` and
         duplicates. Returns the query id; raises :class:`QueryRejected` or :class:`Duplicate`."""
         return self.admission.admit(user, obj)
+
+    async def is_answered(self, user: str, query_id: str) -> bool:
+        """Whether the query was answered before :meth:`admit`'s window knew it: never in one process
+        (a cluster gateway asks the answers stream, shared by every gateway)."""
+        return False
 
     async def query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> QueryOutcome:
         """Run an admitted query to its one answer. Never raises; cancellation of the caller does

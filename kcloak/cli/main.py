@@ -21,6 +21,7 @@ from kcloak.core.errors import InputError, KcloakError
 
 COMMANDS: tuple[str, ...] = (
     "serve",
+    "cells",
     "mosquitto_config",
     "bench",
     "lbs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -101,6 +102,29 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--publish-method", metavar="NAME", help="nwa, w4m or microagg (nwa)")
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (info)")
     p.add_argument("--log-format", metavar="json|text", help="log line format (json)")
+    c = p.add_argument_group(
+        "cluster mode (docs/cluster.md)",
+        "With --cluster this process is one worker of a kcloak cluster on NATS JetStream: its HTTP and "
+        "MQTT doors publish every app message to the replicated intake stream and acknowledge it only "
+        "after the stream's acknowledgement; its worker routes users and owns cells. Every process of "
+        "one cluster must be given the same --cells, --partitions and --replicas.",
+    )
+    c.add_argument(
+        "--cluster",
+        metavar="URLS",
+        help="comma-separated NATS URLs (nats://h1:4222,nats://h2:4222); their presence turns cluster mode on",
+    )
+    c.add_argument(
+        "--cells", metavar="FILE", help="cell boundaries, kcloak.cells/1 JSON from 'kcloak cells' (one cell)"
+    )
+    c.add_argument("--partitions", type=int, metavar="P", help="intake partitions, each user in one (16)")
+    c.add_argument("--replicas", type=int, metavar="R", help="replicas of every stream and bucket: 1, 3 or 5 (3)")
+    c.add_argument("--worker-name", metavar="NAME", help="this worker's name, unique in the cluster (hostname-pid)")
+    c.add_argument(
+        "--gateway-only",
+        action="store_true",
+        help="run only the HTTP/MQTT gateway, no worker (more doors in front of the same workers)",
+    )
     p.set_defaults(func=run)
 
 
@@ -156,9 +180,96 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TokensFileError) as exc:
         print(f"kcloak serve: {exc}", file=sys.stderr)
         return 2
+    if args.cluster is not None:
+        return run_cluster(args, cfg, tokens)
+    for flag in ("cells", "partitions", "replicas", "worker_name"):
+        if getattr(args, flag) is not None:
+            print(f"kcloak serve: --{flag.replace('_', '-')} needs --cluster", file=sys.stderr)
+            return 2
+    if args.gateway_only:
+        print("kcloak serve: --gateway-only needs --cluster", file=sys.stderr)
+        return 2
     setup_logging(cfg.log.level, cfg.log.format)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(_serve(cfg, tokens))
+
+
+def cluster_urls(text: str) -> list[str]:
+    """The ``--cluster`` URLs; raises :class:`ConfigError` (naming no URL) when there is none or one is not nats://."""
+    from kcloak.broker.config import ConfigError
+
+    urls = [part.strip() for part in text.split(",") if part.strip()]
+    if not urls:
+        raise ConfigError("--cluster: give at least one nats://HOST:PORT URL")
+    for url in urls:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in ("nats", "tls"):
+            raise ConfigError("--cluster: every URL must start with nats:// or tls://")
+    return urls
+
+
+def run_cluster(args: argparse.Namespace, cfg: Config, tokens: TokenStore | None) -> int:
+    """``kcloak serve --cluster``: the gateway (and one worker) until SIGINT/SIGTERM."""
+    import asyncio
+
+    from kcloak.broker.cluster.topology import Layout
+    from kcloak.broker.config import ConfigError
+    from kcloak.cloaking.cells import CellMap, CellMapError
+
+    try:
+        urls = cluster_urls(args.cluster)
+        if cfg.mqtt.mode not in ("embedded", "none"):
+            raise ConfigError("--mqtt: a cluster gateway serves MQTT itself (embedded) or not at all (none)")
+        if args.cells:
+            try:
+                text = Path(args.cells).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"--cells: cannot read the file ({exc.strerror})") from None
+            cells = CellMap.from_json(text)
+        else:
+            cells = CellMap([])
+        layout = Layout(
+            partitions=16 if args.partitions is None else args.partitions,
+            cells=cells.cells,
+            replicas=3 if args.replicas is None else args.replicas,
+        )
+    except (ConfigError, CellMapError) as exc:
+        print(f"kcloak serve: {exc}", file=sys.stderr)
+        return 2
+    from kcloak.broker.cluster.gateway import default_worker_name
+
+    name = args.worker_name or default_worker_name()
+    if re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name) is None:
+        print("kcloak serve: --worker-name: 1-64 letters, digits, '.', '-' or '_'", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log.level, cfg.log.format)
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(_serve_cluster(cfg, tokens, urls, layout, cells, name, not args.gateway_only))
+
+
+async def _serve_cluster(
+    cfg: Config, tokens: TokenStore | None, urls: list[str], layout: Any, cells: Any, name: str, worker: bool
+) -> int:
+    import asyncio
+
+    from kcloak.broker.cluster.gateway import ClusterGateway
+    from kcloak.broker.service import StartupError
+
+    try:
+        gateway = ClusterGateway(
+            config=cfg, tokens=tokens, servers=urls, layout=layout, cells=cells, name=name, worker=worker
+        )
+        async with gateway:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(gateway.shutdown()))
+            settle_gc()
+            await gateway.wait_stopped()
+    except StartupError as exc:
+        log_event(log, "startup_failed", logging.ERROR, reason=str(exc))
+        print(f"kcloak serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def event_loop_factory(default: str = "asyncio") -> Callable[[], asyncio.AbstractEventLoop] | None:
