@@ -35,16 +35,17 @@ from typing import Any
 import numpy as np
 
 from kcloak.cloaking.cells import CellMap
+from kcloak.core.errors import InputError
 from kcloak.core.readers import FixTable
 from kcloak.streams.errors import StreamsError
-from kcloak.streams.kdelta import KDeltaResult, trash_limit
+from kcloak.streams.kdelta import KDeltaResult, check_params, trash_limit
 from kcloak.streams.kdelta.nwa import trimmed_span
 from kcloak.streams.publish import METHODS, Release, release_of, run_kdelta
 from kcloak.streams.quality import RANGE_QUERIES
 from kcloak.streams.trajectory import Trajectory, split_too_short, trajectories_from_fixes
 
 
-class PartitionError(StreamsError, ValueError):
+class PartitionError(StreamsError, InputError, ValueError):
     """Parameters of a partitioned window that cannot be used (never echoes data)."""
 
 
@@ -65,6 +66,7 @@ class PartParams:
             raise PartitionError(f"method: must be one of {', '.join(METHODS)}")
         if not (math.isfinite(self.pi_s) and self.pi_s > 0):
             raise PartitionError("pi_s: must be a finite number > 0 (seconds)")
+        check_params(self.k, self.delta_m, self.trash_max)  # before any ledger write or Dask task
 
 
 def anonymize_part(trajectories: Sequence[Trajectory], params: PartParams) -> KDeltaResult:

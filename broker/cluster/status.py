@@ -19,6 +19,7 @@ from kcloak.broker.cluster.topology import (
     WINDOWS_BUCKET,
     JetStreamApiError,
     api_request,
+    connect_nats,
 )
 from kcloak.broker.publication import Window
 
@@ -132,9 +133,7 @@ async def ledger_rows(nc: Any, *, limit: int = 10, timeout: float = 5.0) -> list
 
 async def cluster_status(servers: list[str], *, windows: int = 10, timeout: float = 5.0) -> dict[str, Any]:
     """Connect to ``servers`` and return ``{"servers", "streams", "consumers", "windows"}``."""
-    import nats
-
-    nc = await nats.connect(servers=servers, connect_timeout=timeout, max_reconnect_attempts=1, allow_reconnect=False)
+    nc = await connect_nats(servers, timeout=timeout, reconnect=False)
     try:
         return {
             "servers": list(servers),

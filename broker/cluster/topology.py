@@ -288,3 +288,28 @@ async def ensure_publication_layout(nc: Any, layout: Layout, *, timeout: float =
     js = nc.jetstream(timeout=timeout)
     await js.create_key_value(bucket=WINDOWS_BUCKET, replicas=layout.replicas, history=1)
     await js.create_object_store(WINDOW_CONTENT_BUCKET, replicas=layout.replicas)
+
+
+class NatsUnreachable(BrokerError, RuntimeError):
+    """No NATS server of the list answered (the message names the error type, never credentials)."""
+
+
+async def _quiet_error(exc: Exception) -> None:
+    """nats-py's default error callback prints a traceback for every failed connection attempt."""
+
+
+async def connect_nats(servers: list[str], *, timeout: float = 3.0, reconnect: bool = True) -> Any:
+    """A connected ``nats.aio.client.Client`` or :class:`NatsUnreachable` (no traceback on stderr)."""
+    import nats
+
+    try:
+        return await nats.connect(
+            servers=servers,
+            connect_timeout=timeout,
+            allow_reconnect=reconnect,
+            max_reconnect_attempts=10 if reconnect else 1,  # per server; 0 or less would retry forever
+            reconnect_time_wait=0.5,
+            error_cb=_quiet_error,
+        )
+    except Exception as exc:  # nats-py's errors have no common root with OSError
+        raise NatsUnreachable(f"cannot reach NATS at any of {len(servers)} server(s) ({type(exc).__name__})") from None

@@ -246,12 +246,10 @@ class LocalCluster:
         self._write_state()
 
     async def _ensure_layout(self, cells: int) -> None:
-        import nats
-
-        from kcloak.broker.cluster.topology import Layout, ensure_layout, ensure_publication_layout
+        from kcloak.broker.cluster.topology import Layout, connect_nats, ensure_layout, ensure_publication_layout
 
         layout = Layout(partitions=self.args.partitions, cells=cells, replicas=self.replicas)
-        nc = await nats.connect(servers=self.urls, connect_timeout=5)
+        nc = await connect_nats(self.urls)
         try:
             for attempt in range(10):  # the first R3 placements can race the peers' catch-up
                 try:

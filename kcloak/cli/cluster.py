@@ -93,16 +93,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     from kcloak.broker.cluster.status import cluster_status
 
-    try:
-        status = asyncio.run(cluster_status(args.nats, windows=args.windows))
-    except (OSError, TimeoutError) as exc:
-        print(f"kcloak cluster status: error: cannot reach NATS ({type(exc).__name__})", file=sys.stderr)
-        return 1
-    except Exception as exc:  # nats-py's connection errors have no common root
-        if type(exc).__module__.startswith("nats"):
-            print(f"kcloak cluster status: error: cannot reach NATS ({type(exc).__name__})", file=sys.stderr)
-            return 1
-        raise
+    status = asyncio.run(cluster_status(args.nats, windows=args.windows))
     if args.json:
         print(json.dumps(status, indent=1))
     else:
@@ -195,11 +186,10 @@ async def _publish(
     import asyncio
     from pathlib import Path
 
-    import nats
-
     from kcloak.broker.cluster.coordinator import WindowCoordinator
-    from kcloak.broker.cluster.topology import Layout, ensure_publication_layout
+    from kcloak.broker.cluster.topology import Layout, connect_nats, ensure_publication_layout
     from kcloak.broker.cluster.windows import anonymize_on_dask, require_dask
+    from kcloak.cli.main import UsageError
     from kcloak.cloaking.cells import CellMap
     from kcloak.core.readers import FixTable, read_contract_csv
     from kcloak.streams.partitioned import PartParams
@@ -207,12 +197,17 @@ async def _publish(
 
     distributed = require_dask()
     params = PartParams(method=args.method, k=args.k, delta_m=args.delta, trash_max=args.trash_max, pi_s=pi_s)
-    cells = CellMap.from_json(Path(args.cells).read_text(encoding="utf-8")) if args.cells else None
+    cells = None
+    if args.cells:
+        try:
+            cells = CellMap.from_json(Path(args.cells).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise UsageError(f"--cells: cannot read the file ({exc.strerror or type(exc).__name__})") from None
+    every = read_contract_csv(args.fixes)  # read before the ledger is touched: a bad file changes nothing
+    inside = (every.t >= window.t_start) & (every.t < window.t_end)
+    fixes = FixTable(every.traj_id[inside], every.t[inside], every.lat[inside], every.lon[inside], every.bad_rows)
 
     def compute() -> Release:
-        every = read_contract_csv(args.fixes)
-        inside = (every.t >= window.t_start) & (every.t < window.t_end)
-        fixes = FixTable(every.traj_id[inside], every.t[inside], every.lat[inside], every.lon[inside], every.bad_rows)
         if args.scheduler:
             with distributed.Client(args.scheduler) as client:
                 return anonymize_on_dask(client, fixes, params, parts=args.parts, cells=cells)
@@ -227,7 +222,7 @@ async def _publish(
     async def compute_async() -> Release:
         return await asyncio.to_thread(compute)
 
-    nc = await nats.connect(servers=args.nats, connect_timeout=5)
+    nc = await connect_nats(args.nats)
     try:
         await ensure_publication_layout(nc, Layout(replicas=args.replicas))
         coordinator = WindowCoordinator(
