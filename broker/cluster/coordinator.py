@@ -13,7 +13,9 @@ expired) continues from the ledger: after ``started`` it anonymizes anew (nothin
 ``anonymized`` it publishes the **stored** release, never a recomputed one (two different releases of one
 window could be intersected), resuming after the last part already in stream ``KCLOAK_PUBLISHED`` (each part
 carries its number and the content hash; message ids ``<window id>/<hash>/<part>`` make a repeated publish a
-no-op within the duplicate window). ``published`` and ``refused`` are final: nothing is done again.
+no-op within the duplicate window). ``published`` and ``refused`` are final: nothing is done again. Once
+published, the window's stored releases (this attempt's and those of attempts that died before the ledger
+named them) are removed.
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ class WindowCoordinator:
         done = {**value, "state": LedgerState.PUBLISHED, "coordinator": self.name, "t": self.clock()}
         await self._write(wid, done, revision)
         log_event(log, "window_published", window_id=wid, parts=len(parts), n_out=int(value.get("n_out", 0)))
+        await self._forget(wid)
         return WindowOutcome(wid, LedgerState.PUBLISHED, digest, len(parts), True)
 
     async def _compute_renewing(
@@ -276,6 +279,27 @@ class WindowCoordinator:
         if doc.get("format") != CONTENT_FORMAT or content_hash(parts) != digest:
             raise PublicationConflict(f"window {wid}: stored release does not match the ledger's hash")
         return parts
+
+    async def stored_names(self, wid: str) -> list[str]:
+        """Names of the releases of ``wid`` in the content store (this attempt's and any earlier one's)."""
+        _, obj = await self._stores()
+        try:
+            infos = await obj.list(ignore_deletes=True)
+        except Exception as exc:  # nats-py raises NotFoundError for an empty store
+            if type(exc).__name__ != "NotFoundError":
+                raise
+            return []
+        return [info.name for info in infos if info.name.startswith(f"{wid}/") and not info.deleted]
+
+    async def _forget(self, wid: str) -> None:
+        """Remove the window's stored releases once it is published (the stream holds it now); best effort:
+        a leftover is harmless, the ledger never points at it again."""
+        _, obj = await self._stores()
+        try:
+            for name in await self.stored_names(wid):
+                await obj.delete(name)
+        except Exception as exc:
+            log_event(log, "window_content_kept", logging.WARNING, window_id=wid, error=type(exc).__name__)
 
     async def published_parts(self, wid: str) -> tuple[int, str | None]:
         """The last part of ``wid`` in the stream and its content hash (``(0, None)``: none yet)."""

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 nats = pytest.importorskip("nats", reason="the cluster extra (nats-py) is not installed")
 pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is not installed")
 
-from kcloak.broker.cluster.coordinator import CRASH_ENV, HASH_HEADER, PART_HEADER  # noqa: E402
+from kcloak.broker.cluster.coordinator import CRASH_ENV, HASH_HEADER, PART_HEADER, WindowCoordinator  # noqa: E402
 from kcloak.broker.cluster.topology import PUBLISHED_STREAM, WINDOWS_BUCKET, published_subject  # noqa: E402
 
 K, DELTA = 3, 400.0
@@ -57,6 +57,14 @@ def coordinator(
         "--parts", "3", "--part-rows", "60", "--name", name, *extra,
     ]  # fmt: skip
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+
+
+async def stored_releases(urls: list[str], window_id: str) -> list[str]:
+    nc = await nats.connect(servers=urls)
+    try:
+        return await WindowCoordinator(nc, name="reader").stored_names(window_id)
+    finally:
+        await nc.close()
 
 
 async def read_window(urls: list[str], window_id: str) -> tuple[dict[str, Any] | None, list[Any]]:
@@ -134,6 +142,8 @@ def test_window_published_exactly_once_after_a_coordinator_sigkill(
     assert ledger is not None and ledger["state"] == AFTER_CRASH[stage]
     assert ledger["coordinator"] == "coord-a"
     assert len(msgs) == {"part-1": 1, "sent": ledger.get("parts", 0)}.get(stage, 0)
+    stored = asyncio.run(stored_releases(nats_cluster.urls, window_id))
+    assert len(stored) == (0 if stage == "started" else 1)
 
     if stage == "anonymized":  # another coordinator, while the crashed one's lease runs: it must not publish
         busy = coordinator(nats_cluster, window_id, fixes, name="coord-b")
@@ -145,6 +155,7 @@ def test_window_published_exactly_once_after_a_coordinator_sigkill(
     outcome = json.loads(restarted.stdout.strip().splitlines()[-1])
     assert outcome["state"] == "published" and outcome["acted"] is True
     first = check_published_once(nats_cluster.urls, window_id, input_ids)
+    assert asyncio.run(stored_releases(nats_cluster.urls, window_id)) == []  # earlier attempts' releases too
     if AFTER_CRASH[stage] == "anonymized":
         assert first["hash"] == ledger["hash"], "the stored release is published, never a recomputed one"
 
