@@ -187,7 +187,12 @@ async def _publish(
     from pathlib import Path
 
     from kcloak.broker.cluster.coordinator import WindowCoordinator
-    from kcloak.broker.cluster.topology import Layout, connect_nats, ensure_publication_layout
+    from kcloak.broker.cluster.topology import (
+        JetStreamApiError,
+        Layout,
+        connect_nats,
+        ensure_publication_layout,
+    )
     from kcloak.broker.cluster.windows import anonymize_on_dask, require_dask
     from kcloak.cli.main import UsageError
     from kcloak.cloaking.cells import CellMap
@@ -224,7 +229,14 @@ async def _publish(
 
     nc = await connect_nats(args.nats)
     try:
-        await ensure_publication_layout(nc, Layout(replicas=args.replicas))
+        for attempt in range(5):  # a fresh cluster may not place an R3 stream until its peers are current
+            try:
+                await ensure_publication_layout(nc, Layout(replicas=args.replicas))
+                break
+            except (JetStreamApiError, TimeoutError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(1.0)
         coordinator = WindowCoordinator(
             nc, name=name, lease_s=args.lease_s, crash_at=crash_at, part_rows=args.part_rows
         )
