@@ -327,23 +327,6 @@ class WindowCoordinator:
             await self.js.publish(published_subject(wid), parts[number - 1], headers=headers)
             self._crash(f"part-{number}")
 
-    async def recent(self, limit: int = 10) -> list[tuple[str, dict[str, Any]]]:
-        """The ledger's last windows (by window start, newest first)."""
-        from nats.js.errors import NoKeysError
-
-        kv, _ = await self._stores()
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
-        windows = sorted((w for w in (Window.parse(k) for k in keys) if w is not None), key=lambda w: -w.t_start)
-        out = []
-        for w in windows[:limit]:
-            entry, _ = await self.entry(w.window_id)
-            if entry is not None:
-                out.append((w.window_id, entry))
-        return out
-
 
 __all__ = [
     "CRASH_ENV",

@@ -8,6 +8,7 @@ gathered here and merged with the trash bound enforced over the whole window. Da
 
 from __future__ import annotations
 
+import uuid
 from types import ModuleType
 from typing import Any
 
@@ -48,8 +49,9 @@ def anonymize_on_dask(
     """
     require_dask()
     plan = plan_window(fixes, params, parts=parts, cells=cells)
+    run = uuid.uuid4().hex  # a key never reused: Dask would hand back a stored result of the same key
     futures = [
-        client.submit(anonymize_part, list(part), params, pure=False, key=f"kcloak-part-{i}-{id(plan):x}")
+        client.submit(anonymize_part, list(part), params, pure=False, key=f"kcloak-part-{run}-{i}")
         for i, part in enumerate(plan.parts)
     ]
     results = client.gather(futures)

@@ -63,3 +63,13 @@ def test_without_the_cluster_extra_the_error_says_how_to_install(monkeypatch: py
     monkeypatch.setitem(sys.modules, "distributed", None)  # what `import distributed` meets when it is absent
     with pytest.raises(DaskMissing, match=r"'cluster' extra: pip install 'kcloak\[cluster\]'"):
         require_dask()
+
+
+def test_successive_windows_on_one_client_never_get_each_others_parts(dask_client: Any) -> None:
+    """Task keys are never reused (a reused key makes Dask hand back the stored result of an earlier window)."""
+    params = PartParams(method="nwa", k=3, delta_m=400.0, trash_max=0.2, pi_s=60.0)
+    windows = [window_fixes(seed) for seed in (31, 32)]
+    expected = [anonymize_partitioned(w, params, parts=2, seed=4) for w in windows]
+    for i in range(6):
+        got = anonymize_on_dask(dask_client, windows[i % 2], params, parts=2, seed=4)
+        same_table(expected[i % 2].table, got.table)
