@@ -235,6 +235,39 @@ def _fsync_write(path: Path, data: bytes | None = None) -> None:
         os.close(fd)
 
 
+def window_parts(window_id: str, report: dict[str, Any], table: FixTable, *, part_rows: int = PART_ROWS) -> list[bytes]:
+    """The MQTT messages of a window (contract §7 live windows): its rows in parts of at most
+    ``part_rows`` (:data:`PART_ROWS`) rows and :data:`PART_BYTES` bytes, each with the window's head."""
+    rows = [
+        [i, int(t) if t.is_integer() else t, la, lo]
+        for i, t, la, lo in zip(
+            table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist(), strict=True
+        )
+    ]
+    head = {
+        "window_id": window_id,
+        "t_start": report["t_start"],
+        "t_end": report["t_end"],
+        "method": report["method"],
+        "k": report["k"],
+        "delta": report["delta"],
+        "n_trajectories": report["n_out"],
+    }
+    per_part = max(1, min(part_rows, PART_ROWS))
+    while True:
+        chunks = [rows[i : i + per_part] for i in range(0, len(rows), per_part)] or [[]]
+        payloads = [
+            json.dumps(
+                {**head, "part": n, "parts": len(chunks), "columns": list(COLUMNS), "rows": chunk},
+                separators=(",", ":"),
+            ).encode()
+            for n, chunk in enumerate(chunks, start=1)
+        ]
+        if per_part == 1 or max(len(p) for p in payloads) <= PART_BYTES:
+            return payloads
+        per_part = max(1, per_part // 2)
+
+
 class WindowPublisher:
     """Publishes the live windows of contract §7 from the movement store (run :meth:`run` as a task).
 
@@ -480,34 +513,7 @@ class WindowPublisher:
         """The MQTT messages of a committed window, built from its files (so a re-send is identical)."""
         report = json.loads(self.report_path(window_id).read_text(encoding="utf-8"))
         table = read_contract_csv(self.csv_path(window_id))
-        rows = [
-            [i, int(t) if t.is_integer() else t, la, lo]
-            for i, t, la, lo in zip(
-                table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist(), strict=True
-            )
-        ]
-        head = {
-            "window_id": window_id,
-            "t_start": report["t_start"],
-            "t_end": report["t_end"],
-            "method": report["method"],
-            "k": report["k"],
-            "delta": report["delta"],
-            "n_trajectories": report["n_out"],
-        }
-        per_part = PART_ROWS
-        while True:
-            chunks = [rows[i : i + per_part] for i in range(0, len(rows), per_part)] or [[]]
-            payloads = [
-                json.dumps(
-                    {**head, "part": n, "parts": len(chunks), "columns": list(COLUMNS), "rows": chunk},
-                    separators=(",", ":"),
-                ).encode()
-                for n, chunk in enumerate(chunks, start=1)
-            ]
-            if per_part == 1 or max(len(p) for p in payloads) <= PART_BYTES:
-                return payloads
-            per_part = max(1, per_part // 2)
+        return window_parts(window_id, report, table)
 
     # -- reading (HTTP) ------------------------------------------------------------------------
     def csv_path(self, window_id: str) -> Path:
@@ -569,5 +575,6 @@ __all__ = [
     "WindowRecord",
     "WindowState",
     "WindowStatus",
+    "window_parts",
     "window_start",
 ]

@@ -149,23 +149,74 @@ def anonymize(
     exceed ``trash_max``: the caller then exits 1 / publishes the window empty. ``tau_s`` (time tolerance,
     default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
     """
+    started = time.perf_counter()
+    inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))
+    result = run_kdelta(
+        inputs, method=method, k=k, delta_m=delta_m, trash_max=trash_max, pi_s=pi_s, tau_s=tau_s, distance=distance
+    )
+    return release_of(
+        result,
+        inputs,
+        method=method,
+        k=k,
+        delta_m=delta_m,
+        trash_max=trash_max,
+        pi_s=pi_s,
+        n_too_short=n_too_short,
+        n_bad_rows=fixes.bad_rows,
+        started=started,
+        seed=seed,
+        range_queries=range_queries,
+    )
+
+
+def run_kdelta(
+    inputs: Sequence[Trajectory],
+    *,
+    method: str,
+    k: int,
+    delta_m: float,
+    trash_max: float,
+    pi_s: float,
+    tau_s: float | None = None,
+    distance: str = "edr",
+) -> KDeltaResult:
+    """Run the (k,δ) algorithm ``method`` on trajectories of ≥ 2 instants (the algorithm step of :func:`anonymize`)."""
     from kcloak.streams.kdelta.microagg import microaggregate
     from kcloak.streams.kdelta.nwa import nwa
     from kcloak.streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
 
-    started = time.perf_counter()
-    inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))
     if method == "nwa":
-        result = nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max)
-    elif method == "w4m":
+        return nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max)
+    if method == "w4m":
         if distance not in tuple(Distance):
             raise KDeltaError(f"distance: must be one of {', '.join(Distance)}")
         tau = DEFAULT_TAU_S if tau_s is None else tau_s
-        result = w4m(inputs, k=k, delta_m=delta_m, trash_max=trash_max, tau_s=tau, distance=distance)
-    elif method == "microagg":
-        result = microaggregate(inputs, k=k, delta_m=delta_m, trash_max=trash_max)
-    else:
-        raise ValueError(f"method: must be one of {', '.join(METHODS)}")
+        return w4m(inputs, k=k, delta_m=delta_m, trash_max=trash_max, tau_s=tau, distance=distance)
+    if method == "microagg":
+        return microaggregate(inputs, k=k, delta_m=delta_m, trash_max=trash_max)
+    raise ValueError(f"method: must be one of {', '.join(METHODS)}")
+
+
+def release_of(
+    result: KDeltaResult,
+    inputs: Sequence[Trajectory],
+    *,
+    method: str,
+    k: int,
+    delta_m: float,
+    trash_max: float,
+    pi_s: float,
+    n_too_short: int,
+    n_bad_rows: int,
+    started: float,
+    seed: int | None = None,
+    range_queries: int = RANGE_QUERIES,
+) -> Release:
+    """The release of an algorithm's result (the randomization and report step of :func:`anonymize`).
+
+    ``started`` is the :func:`time.perf_counter` value at which the work began (for ``runtime_s``).
+    """
     ok = result.ok and len(inputs) >= k and len(result.published) > 0
     if ok:
         table, mapping = publish_rows(result.published, seed=seed, avoid=[tr.traj_id for tr in inputs])
@@ -183,7 +234,7 @@ def anonymize(
         trash_max=trash_max,
         pi_s=pi_s if method == "nwa" else None,
         n_too_short=n_too_short,
-        n_bad_rows=fixes.bad_rows,
+        n_bad_rows=n_bad_rows,
         runtime_s=runtime_s,
         seed=seed,
         range_queries=range_queries,
@@ -191,4 +242,13 @@ def anonymize(
     return Release(ok, table, mapping, report)
 
 
-__all__ = ["METHODS", "Release", "anonymization_report", "anonymize", "fresh_ids", "publish_rows"]
+__all__ = [
+    "METHODS",
+    "Release",
+    "anonymization_report",
+    "anonymize",
+    "fresh_ids",
+    "publish_rows",
+    "release_of",
+    "run_kdelta",
+]

@@ -17,6 +17,10 @@ Everything a gateway, a worker and an operator must agree on lives here, so they
   stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
 - ``kcloak.out.status.<token>`` — core NATS: profile and session statuses for the gateways.
 - buckets ``kcloak_profiles`` (stored profile per user token) and ``kcloak_windows`` (publication ledger).
+- ``kcloak.published.<window id>`` — stream ``KCLOAK_PUBLISHED`` (duplicate window): the parts of each
+  published window, message id ``<window id>/<content hash>/<part>``; object store
+  ``kcloak_window_content`` keeps a window's release between anonymizing and publishing
+  (:func:`ensure_publication_layout`, docs/cluster.md "Window publication").
 
 A subject token is a user id or query id with ``.`` written as ``//`` (NATS's MQTT listener does the
 same, so both doors give one subject); user ids are ``[A-Za-z0-9._-]`` and query ids
@@ -38,6 +42,8 @@ CELLQ_STREAM = "KCLOAK_CELLQ"
 ANSWERS_STREAM = "KCLOAK_ANSWERS"
 PROFILES_BUCKET = "kcloak_profiles"
 WINDOWS_BUCKET = "kcloak_windows"
+PUBLISHED_STREAM = "KCLOAK_PUBLISHED"
+WINDOW_CONTENT_BUCKET = "kcloak_window_content"
 PRIORITY_GROUP = "kcloak"
 KINDS = ("update", "updates", "profile", "query")
 
@@ -104,6 +110,11 @@ def answer_out_subject(token: str, qkey: str = "*") -> str:
 
 def status_out_subject(token: str) -> str:
     return f"kcloak.out.status.{token}"
+
+
+def published_subject(window_id: str = "*") -> str:
+    """Where the parts of a published window are stored (``window_id="*"``: every window)."""
+    return f"kcloak.published.{window_id}"
 
 
 def split_subject(subject: str, prefix: str, parts: int) -> list[str]:
@@ -181,6 +192,19 @@ class Layout:
             },
         ]
 
+    def published_stream_config(self) -> dict[str, Any]:
+        """The stream of published windows (kept until an operator's limits remove them)."""
+        return {
+            "storage": "file",
+            "num_replicas": self.replicas,
+            "discard": "old",
+            "name": PUBLISHED_STREAM,
+            "subjects": [published_subject()],
+            "retention": "limits",
+            "duplicate_window": int(self.dedup_window_s * 1_000_000_000),
+            "allow_direct": True,
+        }
+
     def pinned_consumer_config(self, name: str, filter_subject: str) -> dict[str, Any]:
         """A durable pull consumer whose messages go to one pinned client of group ``kcloak`` at a time."""
         ns = 1_000_000_000
@@ -209,7 +233,7 @@ class Layout:
         return out
 
 
-class JetStreamApiError(BrokerError):
+class JetStreamApiError(BrokerError, RuntimeError):
     """A JetStream API call answered with an error (the server's code and description, never payloads)."""
 
 
@@ -250,3 +274,42 @@ async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> No
     js = nc.jetstream(timeout=timeout)
     for bucket in (PROFILES_BUCKET, WINDOWS_BUCKET):
         await js.create_key_value(bucket=bucket, replicas=layout.replicas, history=1)
+
+
+async def ensure_publication_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> None:
+    """Create (or update) what window publication needs: the ledger bucket, the content store and the stream."""
+    config = layout.published_stream_config()
+    try:
+        await api_request(nc, f"STREAM.CREATE.{PUBLISHED_STREAM}", config, timeout=timeout)
+    except JetStreamApiError as exc:
+        if "already in use" not in str(exc) and "10058" not in str(exc):
+            raise
+        await api_request(nc, f"STREAM.UPDATE.{PUBLISHED_STREAM}", config, timeout=timeout)
+    js = nc.jetstream(timeout=timeout)
+    await js.create_key_value(bucket=WINDOWS_BUCKET, replicas=layout.replicas, history=1)
+    await js.create_object_store(WINDOW_CONTENT_BUCKET, replicas=layout.replicas)
+
+
+class NatsUnreachable(BrokerError, RuntimeError):
+    """No NATS server of the list answered (the message names the error type, never credentials)."""
+
+
+async def _quiet_error(exc: Exception) -> None:
+    """nats-py's default error callback prints a traceback for every failed connection attempt."""
+
+
+async def connect_nats(servers: list[str], *, timeout: float = 3.0, reconnect: bool = True) -> Any:
+    """A connected ``nats.aio.client.Client`` or :class:`NatsUnreachable` (no traceback on stderr)."""
+    import nats
+
+    try:
+        return await nats.connect(
+            servers=servers,
+            connect_timeout=timeout,
+            allow_reconnect=reconnect,
+            max_reconnect_attempts=10 if reconnect else 1,  # per server; 0 or less would retry forever
+            reconnect_time_wait=0.5,
+            error_cb=_quiet_error,
+        )
+    except Exception as exc:  # nats-py's errors have no common root with OSError
+        raise NatsUnreachable(f"cannot reach NATS at any of {len(servers)} server(s) ({type(exc).__name__})") from None

@@ -32,6 +32,7 @@ COMMANDS: tuple[str, ...] = (
     "replay",
     "load",
     "release",
+    "cluster",
 )
 """Modules of :mod:`kcloak.cli` that add one subcommand each, in the order ``kcloak --help`` lists them."""
 
