@@ -338,4 +338,38 @@ def _headers(value: str | None) -> dict[str, str]:
     return out
 
 
-__all__ = ["PIN_HEADER", "Delivered", "PinnedMember", "ack_seq"]
+async def read_last_per_subject(nc: Any, stream: str, filter_subject: str) -> list[Delivered]:
+    """The last message of every subject matching ``filter_subject`` (an ephemeral consumer, deliver
+    ``last_per_subject``, no acks), in stream order: what a router or an owner rebuilds from."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    js = nc.jetstream()
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        ack_policy=AckPolicy.NONE,
+        filter_subject=filter_subject,
+        inactive_threshold=30.0,
+        num_replicas=1,
+        mem_storage=True,
+    )
+    sub = await js.pull_subscribe(filter_subject, stream=stream, config=config)
+    out: list[Delivered] = []
+    try:
+        info = await sub.consumer_info()
+        pending = int(info.num_pending or 0)
+        while pending > 0:
+            try:
+                msgs = await sub.fetch(min(pending, 1000), timeout=2.0)
+            except TimeoutError:
+                continue
+            for m in msgs:
+                md = m.metadata
+                out.append(Delivered(md.sequence.stream, m.subject, dict(m.headers or {}), m.data, None))
+                pending = int(md.num_pending)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return out
+
+
+__all__ = ["PIN_HEADER", "Delivered", "PinnedMember", "ack_seq", "read_last_per_subject"]

@@ -16,7 +16,8 @@ Everything a gateway, a worker and an operator must agree on lives here, so they
   the one answer of a query, message id ``<token>/<qkey>`` so a recomputed answer is dropped; the
   stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
 - ``kcloak.out.status.<token>`` — core NATS: profile and session statuses for the gateways.
-- buckets ``kcloak_profiles`` (stored profile per user token) and ``kcloak_windows`` (publication ledger).
+- buckets ``kcloak_profiles`` (stored profile per user token), ``kcloak_windows`` (publication ledger) and
+  ``kcloak_regions`` (the region forwarded for each query, so a retried query never forwards another).
 
 A subject token is a user id or query id with ``.`` written as ``//`` (NATS's MQTT listener does the
 same, so both doors give one subject); user ids are ``[A-Za-z0-9._-]`` and query ids
@@ -37,6 +38,9 @@ CELLQ_STREAM = "KCLOAK_CELLQ"
 ANSWERS_STREAM = "KCLOAK_ANSWERS"
 PROFILES_BUCKET = "kcloak_profiles"
 WINDOWS_BUCKET = "kcloak_windows"
+REGIONS_BUCKET = "kcloak_regions"
+"""The region forwarded for each query (create-only, kept for the duplicate window): a retried query
+forwards that region again, never a second one (cell owners, docs/cluster.md "Workers")."""
 PRIORITY_GROUP = "kcloak"
 KINDS = ("update", "updates", "profile", "query")
 
@@ -249,3 +253,4 @@ async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> No
     js = nc.jetstream(timeout=timeout)
     for bucket in (PROFILES_BUCKET, WINDOWS_BUCKET):
         await js.create_key_value(bucket=bucket, replicas=layout.replicas, history=1)
+    await js.create_key_value(bucket=REGIONS_BUCKET, replicas=layout.replicas, history=1, ttl=layout.dedup_window_s)
