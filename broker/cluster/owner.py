@@ -39,6 +39,7 @@ from kcloak.broker.cluster.topology import (
     answer_subject,
     cell_filter,
     cellq_subject,
+    owner_applied_subject,
     split_subject,
     subject_token,
 )
@@ -126,6 +127,7 @@ class CellOwner:
         self._cloak_task: asyncio.Task[None] | None = None
         self._query_task: asyncio.Task[None] | None = None
         self.query_member: PinnedMember | None = None
+        self._applied_sub: Any = None
         self._new_parts()
         self.member = PinnedMember(
             nc,
@@ -163,9 +165,17 @@ class CellOwner:
         """True while this owner holds the cell's index and answers its queries."""
         return self._live
 
-    def users(self) -> list[str]:
-        """The subject tokens of the users in this owner's live index (empty when not live)."""
-        return sorted(self.index._row) if self._live else []
+    def users(self) -> dict[str, float]:
+        """Each user in this owner's live index (subject token) with the time of the fix it holds (empty when
+        not live)."""
+        if not self._live:
+            return {}
+        out: dict[str, float] = {}
+        for token in self.index.user_ids():
+            fix = self.index.fix(token)
+            if fix is not None:
+                out[token] = fix[2]
+        return out
 
     # -- pin -----------------------------------------------------------------------------------
     async def rebuild(self) -> None:
@@ -191,6 +201,7 @@ class CellOwner:
             batch=512,
         )
         self._query_task = asyncio.create_task(self.query_member.run())
+        self._applied_sub = await self.nc.subscribe(owner_applied_subject(self.cell), cb=self._on_applied_request)
         log_event(log, "owner_rebuilt", logging.INFO, cell=self.cell, users=len(self.index))
 
     async def drop(self) -> None:
@@ -200,7 +211,15 @@ class CellOwner:
         self.index = PositionIndex(stale_after_s=self.config.cloaking.stale_after_s)
         await self._stop_queries()
 
+    async def _on_applied_request(self, msg: Any) -> None:
+        if self._live and msg.reply:
+            await self.nc.publish(msg.reply, json.dumps({"applied": self.applied_seq}).encode())
+
     async def _stop_queries(self) -> None:
+        sub, self._applied_sub = self._applied_sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         member, task, cloak = self.query_member, self._query_task, self._cloak_task
         self.query_member = self._query_task = self._cloak_task = None
         if member is not None:

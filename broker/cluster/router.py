@@ -21,6 +21,7 @@ refused ``out_of_order``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ from kcloak.broker.cluster.topology import (
     cell_subject,
     cellq_subject,
     in_filter,
+    owner_applied_subject,
     partition_cells_filter,
     partition_of,
     split_subject,
@@ -67,6 +69,7 @@ TRANSPORT_HEADER = "Kcloak-Transport"
 REPLY_HEADER = "Kcloak-Reply"
 MSG_ID = "Nats-Msg-Id"
 LEAVE_WAIT_POLL_S = 0.05
+OWNER_REPLY_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -233,6 +236,9 @@ class Router:
     async def _fix(
         self, token: str, raw: Any, in_seq: int, item: int, transport: str, pending: list[Any], source: str
     ) -> ReasonCode | None:
+        if not self.owns(token):
+            self._rejected(transport, ReasonCode.INVALID)  # a batch item of another partition's user
+            return ReasonCode.INVALID
         st = self.users.get(token)
         if st is not None and in_seq <= st.in_seq:
             self.counters["redelivered"] += 1
@@ -288,6 +294,7 @@ class Router:
 
     def _rejected(self, transport: str, code: ReasonCode) -> None:
         self.counters["rejected"] += 1
+        self.counters[f"rejected_{code.value}"] = self.counters.get(f"rejected_{code.value}", 0) + 1
         self.metrics.updates_rejected.labels(transport=transport, reason=code.value).inc()
 
     async def _leave(self, token: str, st: UserState) -> None:
@@ -305,17 +312,43 @@ class Router:
         await self.wait_applied(old, int(ack.seq))
 
     async def wait_applied(self, cell: int, seq: int) -> None:
-        """Until consumer ``cell-<cell>``'s ack floor reaches ``seq`` (its owner, or its successor, applied it)."""
-        while True:
+        """Until cell ``cell``'s owner has applied stream sequence ``seq``: consumer ``cell-<c>``'s ack floor
+        reached it, or every owner answering on :func:`owner_applied_subject` holds it (a successor rebuilt
+        from it), or no owner answered for twice ``priority_timeout`` (then none holds a live index: an owner
+        without successful pulls for ``priority_timeout`` drops its index)."""
+        silent_since = time.monotonic()
+        while self.member.pinned:  # else our successor rebuilds from the leave
             try:
                 info = await api_request(self.nc, f"CONSUMER.INFO.{CELLS_STREAM}.cell-{cell}", None, timeout=2.0)
                 if int(info["ack_floor"]["stream_seq"]) >= seq:
                     return
             except Exception:
                 pass  # a leader election: ask again
-            if not self.member.pinned:
-                return  # we are no longer the router: our successor rebuilds from the leave
+            applied = await self._owners_applied(cell)
+            if applied:
+                silent_since = time.monotonic()
+                if min(applied) >= seq:
+                    return
+            elif time.monotonic() - silent_since > 2 * self.layout.pinned_timeout_s:
+                return
             await asyncio.sleep(LEAVE_WAIT_POLL_S)
+
+    async def _owners_applied(self, cell: int) -> list[int]:
+        """Every live owner's applied sequence for ``cell`` (a stale one may answer too until its lease ends)."""
+        inbox = self.nc.new_inbox()
+        got: list[int] = []
+
+        async def collect(msg: Any) -> None:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                got.append(int(json.loads(msg.data)["applied"]))
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(owner_applied_subject(cell), b"", reply=inbox)
+            await asyncio.sleep(OWNER_REPLY_WAIT_S)
+        finally:
+            await sub.unsubscribe()
+        return got
 
     # -- profiles ------------------------------------------------------------------------------
     async def _kv_bucket(self) -> Any:

@@ -105,6 +105,12 @@ def answer_out_subject(token: str, qkey: str = "*") -> str:
     return f"kcloak.out.ans.{token}.{qkey}"
 
 
+def owner_applied_subject(cell: int) -> str:
+    """Core NATS: cell ``c``'s live owner answers a request here with ``{"applied": <stream seq>}``, the last
+    ``KCLOAK_CELLS`` sequence its index holds (a router waits on it before moving a user out of the cell)."""
+    return f"kcloak.owner.applied.{cell}"
+
+
 def status_out_subject(token: str) -> str:
     return f"kcloak.out.status.{token}"
 

@@ -201,3 +201,107 @@ def population(n: int, seed: int, spread: float = 0.03) -> dict[str, tuple[float
         f"u{i}.x": (round(LAT0 + rng.uniform(-spread, spread), 6), round(LON0 + rng.uniform(-spread, spread), 6))
         for i in range(n)
     }
+
+
+class Rounds:
+    """The proofs' traffic, in rounds: every user moves (some jump across the city, so across cells), the
+    fixes are PubAck'ed, the test waits until every owner holds every user's latest fix (sampling, each time,
+    that no user is in two live indexes), then queries and checks each stored answer against its own
+    latest-fix reference."""
+
+    def __init__(self, app: App, nc: Any, pop: dict[str, tuple[float, float]], *, k: int = 5, seed: int = 7) -> None:
+        self.app = app
+        self.nc = nc
+        self.ref = dict(pop)
+        self.ref_t: dict[str, float] = {}
+        self.k = k
+        self.rng = random.Random(seed)
+        self.samples = 0
+        self.max_rejected: dict[str, dict[str, int]] = {}
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.ok = 0
+        self.refused: list[str] = []
+        self.republished: dict[str, int] = {}
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        async def cb(msg: Any) -> None:
+            self.republished[msg.subject] = self.republished.get(msg.subject, 0) + 1
+
+        self._sub = await self.nc.subscribe("kcloak.out.ans.>", cb=cb)
+
+    async def move_all(self, jump: float = 0.2) -> None:
+        t = round(time.time(), 3)
+        for user, (lat, lon) in list(self.ref.items()):
+            if self.rng.random() < jump:
+                lat, lon = LAT0 + self.rng.uniform(-0.01, 0.01), LON0 + self.rng.uniform(-0.01, 0.01)
+            else:
+                lat, lon = lat + self.rng.uniform(-0.0005, 0.0005), lon + self.rng.uniform(-0.0005, 0.0005)
+            lat, lon = round(lat, 6), round(lon, 6)
+            await self.app.fix(user, t, lat, lon)
+            self.ref[user] = (lat, lon)
+            self.ref_t[user] = t
+
+    async def sample(self) -> dict[str, float]:
+        """One look at every live owner: asserts no user is in two live indexes; returns token → held t."""
+        held: dict[str, float] = {}
+        for status in await debug_status(self.nc, 0.15):
+            rejected = {k: v for k, v in status["counters"]["router"].items() if k.startswith("rejected_")}
+            prev = self.max_rejected.setdefault(status["name"], {})
+            for key, value in rejected.items():
+                prev[key] = max(prev.get(key, 0), value)
+            for users in status["users"].values():
+                for tok, t in users.items():
+                    assert tok not in held, "a user is in two live indexes"
+                    held[tok] = t
+        self.samples += 1
+        return held
+
+    async def settle(self, timeout: float = 15.0) -> None:
+        """Until every user's latest PubAck'ed fix is in exactly one live index."""
+        want = {token(u): t for u, t in self.ref_t.items()}
+        deadline = time.monotonic() + timeout
+        while True:
+            held = await self.sample()
+            if held == want:
+                return
+            if time.monotonic() > deadline:
+                missing = sum(1 for u, t in want.items() if held.get(u) != t)
+                raise AssertionError(f"{missing} users' latest acknowledged fix not held after {timeout} s")
+
+    async def query(self, tag: str, users: list[str], timeout: float = 15.0) -> None:
+        qids = {user: f"{tag}:{i}" for i, user in enumerate(users)}
+        for user, qid in qids.items():
+            await self.app.publish(user, "query", {"query_id": qid, "kind": "knn", "n": 3})
+        snapshot = dict(self.ref)
+        deadline = time.monotonic() + timeout
+        pending = dict(qids)
+        while pending:
+            for user, qid in list(pending.items()):
+                answer = await self.app.answer(user, qid)
+                if answer is not None:
+                    self.answers[f"{user}/{qid}"] = answer
+                    del pending[user]
+                    self.check(answer, snapshot)
+            if pending:
+                assert time.monotonic() < deadline, f"{len(pending)} queries without an answer after {timeout} s"
+                await asyncio.sleep(0.1)
+
+    def check(self, answer: dict[str, Any], snapshot: dict[str, tuple[float, float]]) -> None:
+        if answer["status"] == "ok":
+            self.ok += 1
+            inside = count_inside(answer["region"]["bbox"], snapshot)
+            assert inside >= self.k, f"a forwarded region holds {inside} < k users of the reference"
+            assert answer["k_achieved"] <= inside
+        else:
+            self.refused.append(answer["reason"])
+
+    async def exactly_one_answer_each(self, wait_s: float = 1.0) -> None:
+        await asyncio.sleep(wait_s)  # republished copies still on their way
+        subjects = {f"kcloak.out.ans.{token(key.split('/')[0])}.{token(key.split('/')[1])}" for key in self.answers}
+        counts = {s: self.republished.get(s, 0) for s in subjects}
+        assert all(c == 1 for c in counts.values()), {c for c in counts.values()}
+        assert not set(self.republished) - subjects, "an answer to a query nobody asked"
+
+    def out_of_order(self) -> int:
+        return sum(r.get("rejected_out_of_order", 0) + r.get("rejected_too_old", 0) for r in self.max_rejected.values())
