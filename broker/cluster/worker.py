@@ -238,7 +238,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default="./kcloak-data")
     parser.add_argument("--name", default=default_name())
     parser.add_argument("--debug-status", action="store_true")
-    asyncio.run(_main(parser.parse_args(argv)))
+    profile_path = os.environ.get("KCLOAK_WORKER_PROFILE")
+    if not profile_path:
+        asyncio.run(_main(parser.parse_args(argv)))
+        return
+    import cProfile  # measuring where a worker's CPU goes (scripts/bench_worker.py --profile)
+
+    with cProfile.Profile() as prof:
+        asyncio.run(_main(parser.parse_args(argv)))
+    prof.dump_stats(profile_path)
 
 
 if __name__ == "__main__":
