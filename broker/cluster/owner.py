@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, read_last_per_subject
-from kcloak.broker.cluster.router import MSG_ID
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, publish_durably, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
@@ -309,11 +308,13 @@ class CellOwner:
         ).inc()
         added = time.monotonic() - started - timing.upstream
         self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
-        await self.js.publish(
+        await publish_durably(
+            self.js,
             answer_subject(token, qkey),
             json.dumps(answer.to_json(), separators=(",", ":")).encode(),
             stream=ANSWERS_STREAM,
-            headers={MSG_ID: answer_msg_id(token, qkey)},
+            msg_id=answer_msg_id(token, qkey),
+            keep_trying=lambda: self._live,
         )
         self.counters["answers"] += 1
 

@@ -276,6 +276,18 @@ class PinnedMember:
             await self.handler(batch)
         except Exception:
             log.exception("handler_failed", extra={"kcloak_fields": {"consumer": self.consumer}})
+            self.counters["recoveries"] = self.counters.get("recoveries", 0) + 1
+            await asyncio.sleep(0.5)
+            await self._recover()
+
+    async def _recover(self) -> None:
+        """After a failed hand-over (its messages not acknowledged, the handler's state unknown): rebuild as on a
+        new pin and, on a work-queue stream, hand over again everything above the ack floor, in order."""
+        if not self.pinned:
+            return
+        await self.on_pinned()
+        if self.catch_up:
+            await self._catch_up()
 
     async def _pin_changed(self, pin: str) -> None:
         if self.pinned:
@@ -320,6 +332,31 @@ class PinnedMember:
             self._caught_up.update(d.seq for d in found)
             self.counters["catch_up"] += len(found)
             await self._hand_over(found)
+
+
+async def publish_durably(
+    js: Any,
+    subject: str,
+    data: bytes,
+    *,
+    stream: str,
+    msg_id: str,
+    keep_trying: Callable[[], bool],
+    limit_s: float = 30.0,
+) -> Any:
+    """``js.publish`` with the message id ``msg_id``, retried (the stream's duplicate window makes a retry
+    store it once) while ``keep_trying()`` and for at most ``limit_s`` (a stream leader election takes a
+    few seconds); returns the PubAck, or raises the last error."""
+    deadline = time.monotonic() + limit_s
+    pause = 0.1
+    while True:
+        try:
+            return await js.publish(subject, data, stream=stream, headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
+        except Exception:
+            if not keep_trying() or time.monotonic() + pause > deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
 
 def _b64(value: str | None) -> bytes:
@@ -372,4 +409,4 @@ async def read_last_per_subject(nc: Any, stream: str, filter_subject: str) -> li
     return out
 
 
-__all__ = ["PIN_HEADER", "Delivered", "PinnedMember", "ack_seq", "read_last_per_subject"]
+__all__ = ["PIN_HEADER", "Delivered", "PinnedMember", "ack_seq", "publish_durably", "read_last_per_subject"]

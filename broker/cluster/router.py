@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, read_last_per_subject
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, publish_durably, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
@@ -317,14 +317,19 @@ class Router:
         return None
 
     async def _publish_fix(self, token: str, st: UserState, cell: int, body: dict[str, Any], msg_id: str) -> None:
-        ack = await self.js.publish(
+        ack = await self._publish(
             cell_subject(cell, self.partition, token),
             json.dumps(body, separators=(",", ":")).encode(),
-            stream=CELLS_STREAM,
-            headers={MSG_ID: msg_id},
+            CELLS_STREAM,
+            msg_id,
         )
         if st.cell == cell:
             st.fix_seq = max(st.fix_seq, int(ack.seq))
+
+    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> Any:
+        return await publish_durably(
+            self.js, subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
+        )
 
     def _check(self, token: str, raw: Any, st: UserState | None) -> Fix | ReasonCode:
         try:
@@ -353,11 +358,11 @@ class Router:
         old = st.cell
         assert old is not None
         body = {"e": "leave", "t": st.t, "in": st.in_seq}
-        ack = await self.js.publish(
+        ack = await self._publish(
             cell_subject(old, self.partition, token),
             json.dumps(body, separators=(",", ":")).encode(),
-            stream=CELLS_STREAM,
-            headers={MSG_ID: f"leave/{st.in_seq}/{old}"},
+            CELLS_STREAM,
+            f"leave/{st.in_seq}/{old}",
         )
         st.cell = None
         await self.wait_applied(old, int(ack.seq))
@@ -476,11 +481,11 @@ class Router:
         self.metrics.queries.labels(
             transport=transport, kind=kind, status=answer.status, reason=answer.reason_label
         ).inc()
-        await self.js.publish(
+        await self._publish(
             answer_subject(token, qkey),
             json.dumps(answer.to_json(), separators=(",", ":")).encode(),
-            stream=ANSWERS_STREAM,
-            headers={MSG_ID: answer_msg_id(token, qkey)},
+            ANSWERS_STREAM,
+            answer_msg_id(token, qkey),
         )
 
     async def _query(self, msg: Delivered, token: str, transport: str) -> None:
@@ -540,11 +545,11 @@ class Router:
             "transport": transport,
             "received": now,
         }
-        await self.js.publish(
+        await self._publish(
             cellq_subject(st.cell),
             json.dumps(routed, separators=(",", ":")).encode(),
-            stream=CELLQ_STREAM,
-            headers={MSG_ID: answer_msg_id(token, subject_token(qid))},
+            CELLQ_STREAM,
+            answer_msg_id(token, subject_token(qid)),
         )
 
     # -- status --------------------------------------------------------------------------------
