@@ -1,6 +1,6 @@
 """CPU per fix and per query of kcloak cluster worker processes (utime+stime from /proc), on a local 3-node cluster.
 
-Starts 3 nats-server nodes, a `kcloak lbs`, and N worker processes (`python -m kcloak.broker.cluster.worker`),
+Starts 3 nats-server nodes, a `kcloak lbs`, and N worker processes (`python -m kcloak.cli.cluster_worker`),
 publishes F fixes (JetStream publishes, as gateways do) of U users, waits until every one is applied, then Q
 one-shot knn queries, waits for their Q answers, and prints the workers' CPU-µs per fix and per query (and
 the NATS nodes' for the fixes). Run: `.venv/bin/python scripts/bench_worker.py --workers 1`.
@@ -183,7 +183,7 @@ def main() -> int:
             workers = []
             for i in range(args.workers):
                 log = (tmp / f"w{i}.log").open("wb")
-                cmd = [sys.executable, "-I", "-m", "kcloak.broker.cluster.worker", "--servers", urls]
+                cmd = [sys.executable, "-I", "-m", "kcloak.cli.cluster_worker", "--servers", urls]
                 cmd += ["--cells", str(tmp / "cells.json"), "--partitions", str(args.partitions)]
                 cmd += ["--upstream", f"http://127.0.0.1:{port}", "--data-dir", str(tmp / f"w{i}"), "--name", f"w{i}"]
                 workers.append(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kcloak.broker.config import ConfigError
+from kcloak.broker.errors import BrokerError
 
 IN_STREAM = "KCLOAK_IN"
 CELLS_STREAM = "KCLOAK_CELLS"
@@ -218,7 +219,7 @@ class Layout:
         return out
 
 
-class JetStreamApiError(RuntimeError):
+class JetStreamApiError(BrokerError, RuntimeError):
     """A JetStream API call answered with an error (the server's code and description, never payloads)."""
 
 

@@ -1,6 +1,7 @@
 """A cluster worker (docs/cluster.md "Workers"): a member of every partition's and every cell's group.
 
-One process per ``kcloak serve --cluster``; several processes = several workers, any of which can die.
+One process per ``kcloak serve --cluster``; several processes = several workers, any of which can die
+(``python -m kcloak.cli.cluster_worker`` runs one without a gateway, for tests and benchmarks).
 A worker joins the priority group of each ``in-<p>`` consumer (a :class:`~kcloak.broker.cluster.router.Router`)
 and of each ``cell-<c>`` consumer (a :class:`~kcloak.broker.cluster.owner.CellOwner`); the server pins each
 consumer on one member at a time, and a dead member's consumers go to the others after ``priority_timeout``.
@@ -13,15 +14,12 @@ cells. The others keep a pull waiting as backups. Nothing moves back when a work
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -195,62 +193,4 @@ def _sum(dicts: Any) -> dict[str, int]:
     return total
 
 
-async def _main(args: argparse.Namespace) -> None:
-    cells = CellMap.from_json(Path(args.cells).read_text()) if args.cells else CellMap([])
-    layout = Layout(
-        partitions=args.partitions, cells=cells.cells, replicas=args.replicas, pinned_timeout_s=args.pinned_timeout
-    )
-    config = Config()
-    config = dataclasses.replace(
-        config,
-        upstream=dataclasses.replace(config.upstream, url=args.upstream),
-        storage=dataclasses.replace(config.storage, data_dir=args.data_dir),
-    )
-    metrics = Metrics(version="cluster", algorithm=config.cloaking.algorithm)
-    worker = Worker(
-        servers=args.servers.split(","),
-        layout=layout,
-        cells=cells,
-        config=config,
-        metrics=metrics,
-        name=args.name,
-        debug_status=args.debug_status,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await worker.start()
-    print("worker_started", flush=True)
-    await stop.wait()
-    await worker.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kcloak.broker.cluster.worker``: one worker without a gateway (tests, benchmarks)."""
-    parser = argparse.ArgumentParser(prog="kcloak-cluster-worker")
-    parser.add_argument("--servers", required=True)
-    parser.add_argument("--cells", default="")
-    parser.add_argument("--partitions", type=int, default=16)
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--pinned-timeout", type=float, default=5.0)
-    parser.add_argument("--upstream", default="http://127.0.0.1:8471")
-    parser.add_argument("--data-dir", default="./kcloak-data")
-    parser.add_argument("--name", default=default_name())
-    parser.add_argument("--debug-status", action="store_true")
-    profile_path = os.environ.get("KCLOAK_WORKER_PROFILE")
-    if not profile_path:
-        asyncio.run(_main(parser.parse_args(argv)))
-        return
-    import cProfile  # measuring where a worker's CPU goes (scripts/bench_worker.py --profile)
-
-    with cProfile.Profile() as prof:
-        asyncio.run(_main(parser.parse_args(argv)))
-    prof.dump_stats(profile_path)
-
-
-if __name__ == "__main__":
-    main()
-
-
-__all__ = ["DEBUG_STATUS_SUBJECT", "Worker", "default_name", "main", "preference"]
+__all__ = ["DEBUG_STATUS_SUBJECT", "Worker", "default_name", "preference"]

@@ -1,6 +1,6 @@
 """Issue 15 proofs (1), (3), (4) and (5) across a SIGKILL of a worker process.
 
-Two worker processes (``python -m kcloak.broker.cluster.worker``), 4 cells, 4 partitions, a real
+Two worker processes (``python -m kcloak.cli.cluster_worker``), 4 cells, 4 partitions, a real
 ``kcloak lbs``; users move every round and a fifth of them jump across the city (so across cells). Halfway
 the worker holding more partitions and cells is SIGKILLed. Checked with the test's own code:
 

@@ -1,5 +1,5 @@
 """Helpers for the worker proofs (tests/cluster/test_worker_*.py): a real ``kcloak lbs`` upstream, worker
-processes (``python -m kcloak.broker.cluster.worker``), and an app's side of the intake and answers streams.
+processes (``python -m kcloak.cli.cluster_worker``), and an app's side of the intake and answers streams.
 
 Counting users in regions is the tests' own code (:func:`count_inside`): nothing from kcloak."""
 
@@ -61,13 +61,13 @@ def lbs_url(tmp_path: Path) -> Iterator[str]:
 
 
 class WorkerProcess:
-    """``python -m kcloak.broker.cluster.worker`` as a subprocess; :meth:`kill9` is the failure under test."""
+    """``python -m kcloak.cli.cluster_worker`` as a subprocess; :meth:`kill9` is the failure under test."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
         self.log_path = log_path
         with log_path.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-m", "kcloak.broker.cluster.worker", *args],
+                [sys.executable, "-I", "-m", "kcloak.cli.cluster_worker", *args],
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
