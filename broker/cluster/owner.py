@@ -296,8 +296,8 @@ class CellOwner:
             log_event(log, "bad_routed_query", logging.WARNING, cell=self.cell)
             return
         qkey = subject_token(q.query_id)
-        if await self._answered(token, qkey):
-            return
+        if msg.redelivered and await self._answered(token, qkey):
+            return  # a first attempt stored its answer before its owner died
         timing = Timing()
         started = time.monotonic()
         answer = await self._cloak_and_forward(token, qkey, q, profile, routed, timing)

@@ -1,6 +1,7 @@
-"""Two Worker objects, 2 cells, 4 partitions, a real `kcloak lbs`: fixes go through routers to cell owners,
+"""Two Worker objects, 4 cells, 8 partitions, a real `kcloak lbs`: fixes go through routers to cell owners,
 every query gets one stored answer whose region holds ≥ k users of the published population, the
-partitions and cells are split between the two workers, and each owner holds only its cell's users."""
+partitions and cells are split between the two workers as their rendezvous hashes say (6/2 and 3/1 here),
+and each owner holds only its cell's users."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from kcloak.broker.cluster.topology import Layout
-from kcloak.broker.cluster.worker import Worker
+from kcloak.broker.cluster.worker import Worker, preference
 from kcloak.broker.config import Config
 from kcloak.broker.metrics import Metrics
 from kcloak.cloaking.cells import CellMap
@@ -48,8 +49,8 @@ def test_two_workers_answer_every_query_from_their_cells(nats_cluster: Any, lbs_
         pop = population(60, seed=1, spread=0.01)
         lat = np.array([p[0] for p in pop.values()])
         lon = np.array([p[1] for p in pop.values()])
-        cells = CellMap.balanced(lat, lon, cells=2)
-        layout = Layout(partitions=4, cells=2, replicas=3, pinned_timeout_s=2.0)
+        cells = CellMap.balanced(lat, lon, cells=4)
+        layout = Layout(partitions=8, cells=4, replicas=3, pinned_timeout_s=2.0)
         workers = [make_worker(nats_cluster.urls, layout, cells, lbs_url, tmp_path, f"w{i}") for i in range(2)]
         await asyncio.gather(*(w.start() for w in workers))
         nc = await nats.connect(servers=nats_cluster.urls)
@@ -77,7 +78,15 @@ def test_two_workers_answer_every_query_from_their_cells(nats_cluster: Any, lbs_
             assert count_inside(a["region"]["bbox"], pop) >= 5
         parts = sorted(p for s in statuses for p in s["partitions"])
         owned = sorted(c for s in statuses for c in s["cells"])
-        assert parts == [0, 1, 2, 3] and owned == [0, 1]
+        assert parts == list(range(8)) and owned == list(range(4))
+        # balance: each consumer is held by the worker whose rendezvous hash for it is lowest (started together)
+        for s in statuses:
+            mine = [p for p in range(8) if min(("w0", "w1"), key=lambda n: preference(f"in-{p}", n)) == s["name"]]
+            cells_mine = [
+                c for c in range(4) if min(("w0", "w1"), key=lambda n: preference(f"cell-{c}", n)) == s["name"]
+            ]
+            assert s["partitions"] == mine and s["cells"] == cells_mine
+        assert all(s["partitions"] and s["cells"] for s in statuses), "both workers hold some partitions and cells"
         held = [set(u) for s in statuses for u in s["users"].values()]
         assert sum(len(h) for h in held) == len(pop) and set.union(*held) == {u.replace(".", "//") for u in pop}
         for w in workers:
