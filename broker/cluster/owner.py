@@ -135,7 +135,7 @@ class CellOwner:
             handler=self.apply,
             on_pinned=self.rebuild,
             on_unpinned=self.drop,
-            lease_s=layout.pinned_timeout_s,
+            lease_s=layout.pinned_timeout_s / 2,
             expires_s=min(1.0, layout.pinned_timeout_s / 4),
             start_delay_s=start_delay_s,
         )
@@ -193,7 +193,7 @@ class CellOwner:
             CELLQ_STREAM,
             f"cellq-{self.cell}",
             handler=self.answer_batch,
-            lease_s=self.layout.pinned_timeout_s,
+            lease_s=self.layout.pinned_timeout_s / 2,
             expires_s=min(1.0, self.layout.pinned_timeout_s / 4),
             catch_up=True,
             filter_subject=cellq_subject(self.cell),

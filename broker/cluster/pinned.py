@@ -13,9 +13,11 @@ it publishes ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`` with ``{"batch", 
 - status ``100`` (idle heartbeat), ``408`` (the pull expired), ``404`` (no messages), ``409``
   (e.g. leadership change, consumer deleted): the pull is over, or alive; the member pulls again.
 
-**Lease.** ``lease_s`` (the consumer's ``priority_timeout``): a pinned member that has had no answer to
+**Lease.** ``lease_s`` (half the consumer's ``priority_timeout``): a pinned member that has had no answer to
 its pulls (no message, no heartbeat, no expiry) for ``lease_s`` seconds gives up its pin at once
-(``on_unpinned``) — by then the server may have pinned someone else.
+(``on_unpinned``). The server pins another member only after ``priority_timeout`` without a pull from the
+holder, and a live holder pulls again as soon as a pull is answered, so the holder lets go about
+``priority_timeout / 2`` before anyone else can be pinned.
 
 **Catch-up.** A member that dies leaves the messages it had pulled and not acknowledged pending on the
 consumer until ``ack_wait`` passes; the next pinned member would see later messages first. With
@@ -129,6 +131,7 @@ class PinnedMember:
         self._queue: asyncio.Queue[Delivered | str] = asyncio.Queue()
         self._buffered = 0
         self._caught_up: set[int] = set()
+        self._unpin_tasks: set[asyncio.Future[None]] = set()
         self._stopping = False
         self._sub: Any = None
 
@@ -137,19 +140,26 @@ class PinnedMember:
         """Pull and hand over until :meth:`stop`; never raises on server or network trouble."""
         self._sub = await self.nc.subscribe(self._inbox + ".*", cb=self._on_msg)
         processor = asyncio.create_task(self._process())
+        watchdog = asyncio.create_task(self._watch_lease())
         try:
             if self.start_delay_s > 0:
                 await asyncio.sleep(self.start_delay_s)
             while not self._stopping:
                 await self._pull_once()
-                if self.pinned and time.monotonic() - self._last_ok > self.lease_s:
-                    self._lose_pin("lease")
         finally:
-            processor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await processor
+            for task in (processor, watchdog):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+
+    async def _watch_lease(self) -> None:
+        """Give up the pin as soon as no answer to our pulls came for ``lease_s`` (checked every 0.1 s)."""
+        while True:
+            await asyncio.sleep(0.1)
+            if self.pin_id is not None and time.monotonic() - self._last_ok > self.lease_s:
+                self._lose_pin("lease")
 
     async def stop(self, *, unpin: bool = True) -> None:
         """Stop pulling; with ``unpin`` ask the server to release our pin so a backup takes over at once."""
@@ -237,10 +247,18 @@ class PinnedMember:
             self._pull_done.set()
 
     def _lose_pin(self, why: str) -> None:
+        """Forget the pin at once: ``on_unpinned`` starts now (an owner drops its index without waiting for the
+        hand-over in progress), and what is still buffered is dropped."""
         if self.pin_id is None and not self.pinned:
             return
         self.pin_id = None
-        self._queue.put_nowait("")  # marker: unpinned
+        if self.pinned:
+            self.pinned = False
+            self.counters["unpins"] += 1
+            task: asyncio.Future[None] = asyncio.ensure_future(self.on_unpinned())
+            self._unpin_tasks.add(task)
+            task.add_done_callback(self._unpin_tasks.discard)
+        self._queue.put_nowait("")  # marker: the pin changed
         log_event(log, "pin_lost", logging.INFO, consumer=self.consumer, why=why)
 
     # -- handing over --------------------------------------------------------------------------
@@ -250,25 +268,31 @@ class PinnedMember:
             items = [item]
             while not self._queue.empty() and len(items) < self.batch:
                 items.append(self._queue.get_nowait())
-            batch: list[Delivered] = []
-            for it in items:
-                if isinstance(it, str):
-                    if batch:
-                        await self._hand_over(batch)
-                        batch = []
-                    await self._pin_changed(it)
-                    continue
-                self._buffered -= 1
-                if not self.pinned:
-                    continue  # delivered under a pin we lost: the new holder gets it again
-                if it.seq in self._caught_up:
-                    self._caught_up.discard(it.seq)
-                    self.counters["skipped"] += 1
-                    await self.ack(it)
-                    continue
-                batch.append(it)
-            if batch:
-                await self._hand_over(batch)
+            try:
+                await self._process_items(items)
+            except Exception:  # never let the hand-over task die: the member would hold its pin and do nothing
+                log.exception("pinned_member_failed", extra={"kcloak_fields": {"consumer": self.consumer}})
+
+    async def _process_items(self, items: list[Delivered | str]) -> None:
+        batch: list[Delivered] = []
+        for it in items:
+            if isinstance(it, str):
+                if batch:
+                    await self._hand_over(batch)
+                    batch = []
+                await self._pin_changed(it)
+                continue
+            self._buffered -= 1
+            if not self.pinned:
+                continue  # delivered under a pin we lost: the new holder gets it again
+            if it.seq in self._caught_up:
+                self._caught_up.discard(it.seq)
+                self.counters["skipped"] += 1
+                await self.ack(it)
+                continue
+            batch.append(it)
+        if batch:
+            await self._hand_over(batch)
 
     async def _hand_over(self, batch: list[Delivered]) -> None:
         self.counters["delivered"] += len(batch)
@@ -283,11 +307,8 @@ class PinnedMember:
     async def _recover(self) -> None:
         """After a failed hand-over (its messages not acknowledged, the handler's state unknown): rebuild as on a
         new pin and, on a work-queue stream, hand over again everything above the ack floor, in order."""
-        if not self.pinned:
-            return
-        await self.on_pinned()
-        if self.catch_up:
-            await self._catch_up()
+        if self.pinned and self.pin_id is not None:
+            await self._rebuild(self.pin_id)
 
     async def _pin_changed(self, pin: str) -> None:
         if self.pinned:
@@ -299,9 +320,23 @@ class PinnedMember:
         self.pinned = True
         self.counters["pins"] += 1
         self._caught_up.clear()
-        await self.on_pinned()
-        if self.catch_up:
-            await self._catch_up()
+        await self._rebuild(pin)
+
+    async def _rebuild(self, pin: str) -> None:
+        """``on_pinned`` (and the catch-up) until it succeeds or the pin is lost: a rebuild reads the streams, which
+        fails while a NATS node is down and its streams elect leaders; nothing is handed over before it."""
+        while True:
+            try:
+                await self.on_pinned()
+                if self.catch_up:
+                    await self._catch_up()
+                return
+            except Exception:
+                self.counters["rebuild_failures"] = self.counters.get("rebuild_failures", 0) + 1
+                log_event(log, "rebuild_failed", logging.WARNING, consumer=self.consumer)
+            await asyncio.sleep(0.5)
+            if self.pin_id != pin:
+                return  # lost meanwhile: _lose_pin ran on_unpinned
 
     async def _catch_up(self) -> None:
         """Hand over the messages still in the stream above the consumer's ack floor, in stream order."""
@@ -327,7 +362,7 @@ class PinnedMember:
                 seq = mseq + 1
         except Exception:
             log_event(log, "catch_up_failed", logging.WARNING, consumer=self.consumer)
-            return
+            raise
         if found:
             self._caught_up.update(d.seq for d in found)
             self.counters["catch_up"] += len(found)
@@ -375,7 +410,9 @@ def _headers(value: str | None) -> dict[str, str]:
     return out
 
 
-async def read_last_per_subject(nc: Any, stream: str, filter_subject: str) -> list[Delivered]:
+async def read_last_per_subject(
+    nc: Any, stream: str, filter_subject: str, *, timeout_s: float = 30.0
+) -> list[Delivered]:
     """The last message of every subject matching ``filter_subject`` (an ephemeral consumer, deliver
     ``last_per_subject``, no acks), in stream order: what a router or an owner rebuilds from."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -394,7 +431,10 @@ async def read_last_per_subject(nc: Any, stream: str, filter_subject: str) -> li
     try:
         info = await sub.consumer_info()
         pending = int(info.num_pending or 0)
+        deadline = time.monotonic() + timeout_s
         while pending > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError("rebuild read did not complete")
             try:
                 msgs = await sub.fetch(min(pending, 1000), timeout=2.0)
             except TimeoutError:

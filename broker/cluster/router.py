@@ -128,6 +128,7 @@ class Router:
         self.mode_refusal = cluster_refusal(config)
         self.users: dict[str, UserState] = {}
         self._cell_cache: dict[tuple[float, float], int] = {}
+        self._owner_seen: dict[int, float] = {}
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._kv: Any = None
         limits = config.limits
@@ -142,7 +143,7 @@ class Router:
             handler=self.handle,
             on_pinned=self.rebuild,
             on_unpinned=self.drop,
-            lease_s=layout.pinned_timeout_s,
+            lease_s=layout.pinned_timeout_s / 2,
             expires_s=min(1.0, layout.pinned_timeout_s / 4),
             start_delay_s=start_delay_s,
             catch_up=True,
@@ -534,6 +535,8 @@ class Router:
             return await refuse(ReasonCode.STALE_POSITION, "no present position for this user")
         if effective.l > 1 and not self.supports_l:
             return await refuse(ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
+        if not await self._owner_answers(st.cell):
+            await self._touch(token, st)
         routed = {
             "user": token,
             "query": obj,
@@ -551,6 +554,29 @@ class Router:
             CELLQ_STREAM,
             answer_msg_id(token, subject_token(qid)),
         )
+
+    async def _owner_answers(self, cell: int) -> bool:
+        """Whether cell ``cell`` has a live owner (asked at most once a second per cell)."""
+        now = time.monotonic()
+        if now - self._owner_seen.get(cell, -math.inf) < 1.0:
+            return True
+        try:
+            await self.nc.request(owner_applied_subject(cell), b"", timeout=0.25)
+        except Exception:
+            return False
+        self._owner_seen[cell] = now
+        return True
+
+    async def _touch(self, token: str, st: UserState) -> None:
+        """The querier's fix event again: a pin is learnt from a delivery, so a cell whose owner died while no
+        event came gets one (its successor then rebuilds and pulls the cell's queries)."""
+        assert st.cell is not None
+        body: dict[str, Any] = {"e": "fix", "t": st.t, "lat": st.lat, "lon": st.lon, "in": st.in_seq}
+        profile = self._profiles.get(token)
+        if profile is not None:
+            body["k"] = profile.to_dict()
+        self.counters["touches"] = self.counters.get("touches", 0) + 1
+        await self._publish_fix(token, st, st.cell, body, f"touch/{time.time_ns()}")
 
     # -- status --------------------------------------------------------------------------------
     def owns(self, token: str) -> bool:
