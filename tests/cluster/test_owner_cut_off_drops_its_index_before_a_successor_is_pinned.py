@@ -67,8 +67,14 @@ def test_a_cut_off_owner_drops_its_index_before_its_successor_is_live(nats_clust
     async def scenario() -> None:
         w0 = worker([n1], tmp_path, "w0", 0.0)
         await w0.start()
-        # nats-py adds the servers the cluster advertises to its pool and has no option against it: keep w0 on n1
-        w0.nc._server_pool[:] = [srv for srv in w0.nc._server_pool if not srv.discovered]
+
+        # nats-py adds the servers the cluster advertises (INFO connect_urls, at connect and whenever the cluster
+        # changes) to its pool and has no option against it: keep w0 on n1 by stripping them each time
+        async def only_n1() -> None:
+            w0.nc._server_pool[:] = [srv for srv in w0.nc._server_pool if not srv.discovered]
+
+        await only_n1()
+        w0.nc._discovered_server_cb = only_n1
         w1 = worker([n2, n3], tmp_path, "w1", 1.0)
         await w1.start()
         nc = await nats.connect(servers=[n2, n3])
@@ -83,6 +89,8 @@ def test_a_cut_off_owner_drops_its_index_before_its_successor_is_live(nats_clust
             assert time.monotonic() < deadline, "w0 never held the cell's users"
             await asyncio.sleep(0.05)
         assert not o1.live
+        await only_n1()
+        assert [srv.uri.netloc for srv in w0.nc._server_pool] == [n1.split("//")[1]]
         killed = time.monotonic()
         nats_cluster.kill9("n1")
         # only a query after the kill: its router (w1's, once pinned by it) must find the cell ownerless and
