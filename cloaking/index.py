@@ -161,6 +161,10 @@ class PositionIndex:
         self._lon[idx] = lon_a
         self._t[idx] = t_a
 
+    def user_ids(self) -> list[str]:
+        """Every user the index holds (present or not)."""
+        return list(self._row)
+
     def remove(self, user: str) -> None:
         """Forget ``user`` entirely. O(1)."""
         row = self._row.pop(user, None)

@@ -16,7 +16,8 @@ Everything a gateway, a worker and an operator must agree on lives here, so they
   the one answer of a query, message id ``<token>/<qkey>`` so a recomputed answer is dropped; the
   stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
 - ``kcloak.out.status.<token>`` — core NATS: profile and session statuses for the gateways.
-- buckets ``kcloak_profiles`` (stored profile per user token) and ``kcloak_windows`` (publication ledger).
+- buckets ``kcloak_profiles`` (stored profile per user token), ``kcloak_windows`` (publication ledger) and
+  ``kcloak_regions`` (the region forwarded for each query, so a retried query never forwards another).
 - ``kcloak.published.<window id>`` — stream ``KCLOAK_PUBLISHED`` (duplicate window): the parts of each
   published window, message id ``<window id>/<content hash>/<part>``; object store
   ``kcloak_window_content`` keeps a window's release between anonymizing and publishing
@@ -44,6 +45,9 @@ PROFILES_BUCKET = "kcloak_profiles"
 WINDOWS_BUCKET = "kcloak_windows"
 PUBLISHED_STREAM = "KCLOAK_PUBLISHED"
 WINDOW_CONTENT_BUCKET = "kcloak_window_content"
+REGIONS_BUCKET = "kcloak_regions"
+"""The region forwarded for each query (create-only, kept for the duplicate window): a retried query
+forwards that region again, never a second one (cell owners, docs/cluster.md "Workers")."""
 PRIORITY_GROUP = "kcloak"
 KINDS = ("update", "updates", "profile", "query")
 
@@ -106,6 +110,12 @@ def answer_msg_id(token: str, qkey: str) -> str:
 def answer_out_subject(token: str, qkey: str = "*") -> str:
     """Where the answers stream republishes a stored answer (``qkey="*"``: a gateway's filter for a user)."""
     return f"kcloak.out.ans.{token}.{qkey}"
+
+
+def owner_applied_subject(cell: int) -> str:
+    """Core NATS: cell ``c``'s live owner answers a request here with ``{"applied": <stream seq>}``, the last
+    ``KCLOAK_CELLS`` sequence its index holds (a router waits on it before moving a user out of the cell)."""
+    return f"kcloak.owner.applied.{cell}"
 
 
 def status_out_subject(token: str) -> str:
@@ -274,6 +284,7 @@ async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> No
     js = nc.jetstream(timeout=timeout)
     for bucket in (PROFILES_BUCKET, WINDOWS_BUCKET):
         await js.create_key_value(bucket=bucket, replicas=layout.replicas, history=1)
+    await js.create_key_value(bucket=REGIONS_BUCKET, replicas=layout.replicas, history=1, ttl=layout.dedup_window_s)
 
 
 async def ensure_publication_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> None:

@@ -1,0 +1,586 @@
+"""The router of one intake partition (docs/cluster.md "Workers"): pinned consumer ``in-<p>``.
+
+It owns each of its users' state across cells: the latest fix time (``out_of_order``, ``too_old``),
+the current cell, the rate limits, the stored profile (validated here, kept in KV ``kcloak_profiles``)
+and the checks a query can be refused on before any cell is involved. It never cloaks.
+
+A fix in cell ``c`` of a user who is in cell ``o ≠ c``: the router publishes a ``leave`` on
+``kcloak.cell.<o>.<p>.<token>`` and waits until cell ``o``'s owner has applied it (consumer ``cell-<o>``'s
+ack floor at or past the leave's stream sequence; a dead owner's successor applies it on rebuild, as it
+is the subject's latest message) and only then publishes the fix on ``kcloak.cell.<c>.<p>.<token>``:
+the user is never in two live indexes, and counted nowhere in between (safe).
+
+Events (JSON on ``KCLOAK_CELLS``): ``{"e": "fix", "t", "lat", "lon", "in", "k"?}`` and
+``{"e": "leave", "t", "in"}``, where ``in`` is the intake stream sequence of the user's latest applied
+fix and ``k`` his stored profile. On pin acquisition the router rebuilds from the last event of every
+subject of ``kcloak.cell.*.<p>.>``; an intake message at or below a user's ``in`` was applied already
+(redelivered after a failover), so it is acknowledged as accepted without a second event, and never
+refused ``out_of_order``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, publish_durably, read_last_per_subject
+from kcloak.broker.cluster.topology import (
+    ANSWERS_STREAM,
+    CELLQ_STREAM,
+    CELLS_STREAM,
+    IN_STREAM,
+    PROFILES_BUCKET,
+    Layout,
+    answer_msg_id,
+    answer_subject,
+    api_request,
+    cell_subject,
+    cellq_subject,
+    in_filter,
+    owner_applied_subject,
+    partition_cells_filter,
+    partition_of,
+    split_subject,
+    status_out_subject,
+    subject_token,
+)
+from kcloak.broker.config import Config
+from kcloak.broker.metrics import Metrics
+from kcloak.broker.modes import build_cloaker
+from kcloak.broker.ratelimit import TokenBuckets
+from kcloak.cloaking.cells import CellMap
+from kcloak.cloaking.cloakers import CloakMode
+from kcloak.core.logs import log_event
+from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
+from kcloak.wire.answers import Answer
+from kcloak.wire.payloads import Fix, InvalidInput, parse_fix, parse_json_object, parse_query, valid_user_id
+
+log = logging.getLogger("kcloak.cluster")
+
+TRANSPORT_HEADER = "Kcloak-Transport"
+REPLY_HEADER = "Kcloak-Reply"
+MSG_ID = "Nats-Msg-Id"
+LEAVE_WAIT_POLL_S = 0.05
+OWNER_REPLY_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class UserState:
+    """What the router knows of one user: latest fix (time, position), its event's stream sequence in
+    ``KCLOAK_CELLS``, the intake sequence it came from, and the cell he is in (None: in none)."""
+
+    t: float = -1.0
+    lat: float = 0.0
+    lon: float = 0.0
+    cell: int | None = None
+    fix_seq: int = 0
+    in_seq: int = 0
+
+
+def _finite_position(lat: Any, lon: Any) -> bool:
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (lat, lon))
+    return ok and -90.0 <= lat <= 90.0 and -180.0 <= lon <= 180.0
+
+
+def cluster_refusal(config: Config) -> str | None:
+    """Why the configured algorithm cannot serve in a cluster (None: it can: a snapshot cloaker)."""
+    cloaker = build_cloaker(config.cloaking.algorithm, cloaking=config.cloaking)
+    if cloaker.cloak_mode is not CloakMode.SNAPSHOT:
+        return f"{config.cloaking.algorithm} holds queries; a cluster serves snapshot algorithms only"
+    return None
+
+
+class Router:
+    """Partition ``partition``'s router; :attr:`member` is its pinned pull member (run by the worker)."""
+
+    def __init__(
+        self,
+        *,
+        nc: Any,
+        layout: Layout,
+        cells: CellMap,
+        config: Config,
+        metrics: Metrics,
+        partition: int,
+        start_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.layout = layout
+        self.cells = cells
+        self.config = config
+        self.metrics = metrics
+        self.partition = partition
+        self.clock = clock
+        self.default_profile = config.profile.to_profile()
+        self.algorithm = config.cloaking.algorithm
+        self.supports_l = bool(build_cloaker(self.algorithm, cloaking=config.cloaking).supports_l)
+        self.mode_refusal = cluster_refusal(config)
+        self.users: dict[str, UserState] = {}
+        self._cell_cache: dict[tuple[float, float], int] = {}
+        self._owner_seen: dict[int, float] = {}
+        self._profiles: dict[str, PrivacyProfile | None] = {}
+        self._kv: Any = None
+        limits = config.limits
+        self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
+        self._query_buckets = TokenBuckets(limits.query_rate, limits.query_burst)
+        self._profile_buckets = TokenBuckets(limits.profile_rate, limits.profile_burst)
+        self.counters = {"fixes": 0, "rejected": 0, "moves": 0, "queries": 0, "redelivered": 0, "rebuilds": 0}
+        self.member = PinnedMember(
+            nc,
+            IN_STREAM,
+            f"in-{partition}",
+            handler=self.handle,
+            on_pinned=self.rebuild,
+            on_unpinned=self.drop,
+            lease_s=layout.pinned_timeout_s / 2,
+            expires_s=min(1.0, layout.pinned_timeout_s / 4),
+            start_delay_s=start_delay_s,
+            catch_up=True,
+            filter_subject=in_filter(partition),
+        )
+
+    # -- pin -----------------------------------------------------------------------------------
+    async def rebuild(self) -> None:
+        """Each user's state from the last event of every subject of this partition (on pin acquisition)."""
+        self.users = {}
+        self._profiles = {}
+        self._update_buckets = TokenBuckets(self.config.limits.update_rate, self.config.limits.update_burst)
+        self.counters["rebuilds"] += 1
+        events = await read_last_per_subject(self.nc, CELLS_STREAM, partition_cells_filter(self.partition))
+        for ev in events:
+            try:
+                cell_s, _, token = split_subject(ev.subject, "kcloak.cell", 3)
+                body = json.loads(ev.data)
+            except ValueError:
+                continue
+            st = self.users.setdefault(token, UserState())
+            st.t = max(st.t, float(body["t"]))
+            if body.get("e") == "fix" and ev.seq > st.fix_seq:
+                st.cell, st.lat, st.lon, st.fix_seq = int(cell_s), float(body["lat"]), float(body["lon"]), ev.seq
+            st.in_seq = max(st.in_seq, int(body.get("in", 0)))
+        for st in self.users.values():
+            if st.cell is None:
+                st.fix_seq = 0
+        log_event(log, "router_rebuilt", logging.INFO, partition=self.partition, users=len(self.users))
+
+    async def drop(self) -> None:
+        self.users = {}
+        self._profiles = {}
+
+    # -- messages ------------------------------------------------------------------------------
+    async def handle(self, batch: list[Delivered]) -> None:
+        """One micro-batch of intake messages, in stream order. The fix events of consecutive fix messages are
+        published together (PubAcks awaited once); a message is answered and acknowledged only after its
+        effects are stored, and a profile or query waits for the fixes before it."""
+        pending: list[Any] = []
+        decided: list[tuple[Delivered, dict[str, Any] | None]] = []
+        self._cells_of(batch)
+        for msg in batch:
+            try:
+                _, kind, token = split_subject(msg.subject, "kcloak.in", 3)
+            except ValueError:
+                decided.append((msg, None))
+                continue
+            transport = msg.headers.get(TRANSPORT_HEADER, "mqtt")
+            transport = transport if transport in ("mqtt", "http") else "mqtt"
+            if kind in ("update", "updates"):
+                codes = await self._fixes(msg, kind, token, transport, pending)
+                decided.append((msg, {"kind": "fixes", "codes": [c.value if c else None for c in codes]}))
+                continue
+            await self._settle(pending, decided)
+            if kind == "profile":
+                await self._profile(msg, token, transport)
+            elif kind == "query":
+                await self._query(msg, token, transport)
+            await self.member.ack(msg)
+        await self._settle(pending, decided)
+
+    def _cells_of(self, batch: list[Delivered]) -> None:
+        """The cell of every well-formed position in the batch's fix messages, in one vectorized call (the
+        Hilbert value of one position alone costs about as much as that of a thousand)."""
+        lats: list[float] = []
+        lons: list[float] = []
+        for msg in batch:
+            if ".update." not in msg.subject and ".updates." not in msg.subject:
+                continue
+            try:
+                obj = json.loads(msg.data)
+            except ValueError:
+                continue
+            items = obj.get("updates") if isinstance(obj, dict) and "updates" in obj else [obj]
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, dict):
+                    lat: Any = item.get("lat")
+                    lon: Any = item.get("lon")
+                    if _finite_position(lat, lon):
+                        lats.append(float(lat))
+                        lons.append(float(lon))
+        self._cell_cache = {}
+        if lats:
+            cells = self.cells.cell_of(np.array(lats), np.array(lons))
+            self._cell_cache = dict(zip(zip(lats, lons, strict=True), cells.tolist(), strict=True))
+
+    def _cell(self, lat: float, lon: float) -> int:
+        cell = self._cell_cache.get((lat, lon))
+        if cell is None:
+            cell = int(self.cells.cell_of(np.array([lat]), np.array([lon]))[0])
+        return int(cell)
+
+    async def _settle(self, pending: list[Any], decided: list[tuple[Delivered, dict[str, Any] | None]]) -> None:
+        """Await the pending fix events, then reply to and acknowledge the messages they came from."""
+        await self._flush(pending)
+        for msg, body in decided:
+            if body is not None:
+                await self._reply(msg, body)
+            await self.member.ack(msg)
+        decided.clear()
+
+    async def _flush(self, pending: list[Any]) -> None:
+        if pending:
+            await asyncio.gather(*pending)
+            pending.clear()
+
+    async def _reply(self, msg: Delivered, body: dict[str, Any]) -> None:
+        reply = msg.headers.get(REPLY_HEADER)
+        if reply:
+            await self.nc.publish(reply, json.dumps(body, separators=(",", ":")).encode())
+
+    # -- fixes ---------------------------------------------------------------------------------
+    async def _fixes(
+        self, msg: Delivered, kind: str, token: str, transport: str, pending: list[Any], *, source: str = "update"
+    ) -> list[ReasonCode | None]:
+        try:
+            obj = parse_json_object(msg.data)
+        except InvalidInput:
+            self._rejected(transport, ReasonCode.INVALID)
+            return [ReasonCode.INVALID]
+        items: list[tuple[str, Any]]
+        if kind == "update":
+            items = [(token, obj)]
+        else:
+            updates = obj.get("updates")
+            if not isinstance(updates, list):
+                self._rejected(transport, ReasonCode.INVALID)
+                return [ReasonCode.INVALID]
+            items = []
+            for item in updates:
+                user = item.get("user") if isinstance(item, dict) else None
+                if isinstance(user, str) and valid_user_id(user):
+                    items.append((subject_token(user), {k: v for k, v in item.items() if k != "user"}))
+                else:
+                    items.append((token, item))
+        return [
+            await self._fix(token_i, raw, msg.seq, i, transport, pending, source)
+            for i, (token_i, raw) in enumerate(items)
+        ]
+
+    async def _fix(
+        self, token: str, raw: Any, in_seq: int, item: int, transport: str, pending: list[Any], source: str
+    ) -> ReasonCode | None:
+        if not self.owns(token):
+            self._rejected(transport, ReasonCode.INVALID)  # a batch item of another partition's user
+            return ReasonCode.INVALID
+        st = self.users.get(token)
+        if st is not None and in_seq <= st.in_seq:
+            self.counters["redelivered"] += 1
+            return None  # applied before a failover: accepted then, accepted now
+        code = self._check(token, raw, st)
+        if isinstance(code, ReasonCode):
+            self._rejected(transport, code)
+            return code
+        fix = code
+        cell = self._cell(fix.lat, fix.lon)
+        if st is None:
+            st = self.users[token] = UserState()
+        if st.cell is not None and st.cell != cell:
+            await self._flush(pending)
+            await self._leave(token, st)
+            self.counters["moves"] += 1
+        body: dict[str, Any] = {"e": "fix", "t": fix.t, "lat": fix.lat, "lon": fix.lon, "in": in_seq}
+        profile = await self._stored_profile(token)
+        if profile is not None:
+            body["k"] = profile.to_dict()
+        st.t, st.lat, st.lon, st.cell, st.in_seq = fix.t, fix.lat, fix.lon, cell, in_seq
+        pending.append(self._publish_fix(token, st, cell, body, f"in/{in_seq}/{item}"))
+        self.counters["fixes"] += 1
+        self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
+        return None
+
+    async def _publish_fix(self, token: str, st: UserState, cell: int, body: dict[str, Any], msg_id: str) -> None:
+        ack = await self._publish(
+            cell_subject(cell, self.partition, token),
+            json.dumps(body, separators=(",", ":")).encode(),
+            CELLS_STREAM,
+            msg_id,
+        )
+        if st.cell == cell:
+            st.fix_seq = max(st.fix_seq, int(ack.seq))
+
+    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> Any:
+        return await publish_durably(
+            self.js, subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
+        )
+
+    def _check(self, token: str, raw: Any, st: UserState | None) -> Fix | ReasonCode:
+        try:
+            fix, _ = parse_fix(raw)
+        except InvalidInput:
+            return ReasonCode.INVALID
+        now = self.clock()
+        cfg = self.config.cloaking
+        if fix.t > now + cfg.max_clock_skew_s:
+            return ReasonCode.INVALID
+        if fix.t < now - cfg.max_update_age_s:
+            return ReasonCode.TOO_OLD
+        if st is not None and fix.t <= st.t:
+            return ReasonCode.OUT_OF_ORDER
+        if not self._update_buckets.take(token):
+            return ReasonCode.RATE_LIMITED
+        return fix
+
+    def _rejected(self, transport: str, code: ReasonCode) -> None:
+        self.counters["rejected"] += 1
+        self.counters[f"rejected_{code.value}"] = self.counters.get(f"rejected_{code.value}", 0) + 1
+        self.metrics.updates_rejected.labels(transport=transport, reason=code.value).inc()
+
+    async def _leave(self, token: str, st: UserState) -> None:
+        """Leave the old cell and wait until its owner has applied the leave (module docstring)."""
+        old = st.cell
+        assert old is not None
+        body = {"e": "leave", "t": st.t, "in": st.in_seq}
+        ack = await self._publish(
+            cell_subject(old, self.partition, token),
+            json.dumps(body, separators=(",", ":")).encode(),
+            CELLS_STREAM,
+            f"leave/{st.in_seq}/{old}",
+        )
+        st.cell = None
+        await self.wait_applied(old, int(ack.seq))
+
+    async def wait_applied(self, cell: int, seq: int) -> None:
+        """Until cell ``cell``'s owner has applied stream sequence ``seq``: consumer ``cell-<c>``'s ack floor
+        reached it, or every owner answering on :func:`owner_applied_subject` holds it (a successor rebuilt
+        from it), or no owner answered for twice ``priority_timeout`` (then none holds a live index: an owner
+        without successful pulls for ``priority_timeout`` drops its index)."""
+        silent_since = time.monotonic()
+        while self.member.pinned:  # else our successor rebuilds from the leave
+            try:
+                info = await api_request(self.nc, f"CONSUMER.INFO.{CELLS_STREAM}.cell-{cell}", None, timeout=2.0)
+                if int(info["ack_floor"]["stream_seq"]) >= seq:
+                    return
+            except Exception:
+                pass  # a leader election: ask again
+            applied = await self._owners_applied(cell)
+            if applied:
+                silent_since = time.monotonic()
+                if min(applied) >= seq:
+                    return
+            elif time.monotonic() - silent_since > 2 * self.layout.pinned_timeout_s:
+                return
+            await asyncio.sleep(LEAVE_WAIT_POLL_S)
+
+    async def _owners_applied(self, cell: int) -> list[int]:
+        """Every live owner's applied sequence for ``cell`` (a stale one may answer too until its lease ends)."""
+        inbox = self.nc.new_inbox()
+        got: list[int] = []
+
+        async def collect(msg: Any) -> None:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                got.append(int(json.loads(msg.data)["applied"]))
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(owner_applied_subject(cell), b"", reply=inbox)
+            await asyncio.sleep(OWNER_REPLY_WAIT_S)
+        finally:
+            await sub.unsubscribe()
+        return got
+
+    # -- profiles ------------------------------------------------------------------------------
+    async def _kv_bucket(self) -> Any:
+        if self._kv is None:
+            self._kv = await self.js.key_value(PROFILES_BUCKET)
+        return self._kv
+
+    async def _stored_profile(self, token: str) -> PrivacyProfile | None:
+        if token in self._profiles:
+            return self._profiles[token]
+        profile: PrivacyProfile | None = None
+        try:
+            entry = await (await self._kv_bucket()).get(token)
+            if entry.value:
+                profile = PrivacyProfile.from_mapping(json.loads(entry.value), self.default_profile)
+        except Exception:
+            profile = None  # no key (the default profile)
+        self._profiles[token] = profile
+        return profile
+
+    async def _profile(self, msg: Delivered, token: str, transport: str) -> None:
+        status: dict[str, Any] = {"kind": "profile"}
+        reason: str | None = None
+        try:
+            obj = parse_json_object(msg.data)
+        except InvalidInput:
+            obj = {}
+        if "request_id" in obj and isinstance(obj["request_id"], str):
+            status["request_id"] = obj["request_id"]
+        if "profile" not in obj or set(obj) - {"profile", "request_id"}:
+            reason = "invalid"
+        elif not self._profile_buckets.take(token):
+            reason = "rate_limited"
+        else:
+            try:
+                kv = await self._kv_bucket()
+                data = obj["profile"]
+                if data is None:
+                    await kv.put(token, b"")
+                    self._profiles[token] = None
+                    profile = self.default_profile
+                else:
+                    profile = PrivacyProfile.from_mapping(data, self.default_profile)
+                    await kv.put(token, json.dumps(profile.to_dict()).encode())
+                    self._profiles[token] = profile
+                status.update(status="ok", profile=profile.to_dict())
+                await self._refresh_profile(token)
+            except ProfileError:
+                reason = "invalid"
+        if reason is not None:
+            status.update(status="refused", reason=reason)
+        self.metrics.profile_sets.labels(transport=transport, status=status["status"], reason=reason or "none").inc()
+        status["t"] = self.clock()
+        if msg.headers.get(REPLY_HEADER):
+            await self._reply(msg, status)
+        else:
+            await self.nc.publish(status_out_subject(token), json.dumps(status, separators=(",", ":")).encode())
+
+    async def _refresh_profile(self, token: str) -> None:
+        """Tell the user's cell owner his new stored k (the same fix again, with the new profile)."""
+        st = self.users.get(token)
+        if st is None or st.cell is None:
+            return
+        body: dict[str, Any] = {"e": "fix", "t": st.t, "lat": st.lat, "lon": st.lon, "in": st.in_seq}
+        profile = self._profiles.get(token)
+        if profile is not None:
+            body["k"] = profile.to_dict()
+        await self._publish_fix(token, st, st.cell, body, f"profile/{time.time_ns()}")
+
+    # -- queries -------------------------------------------------------------------------------
+    async def _answer(self, token: str, qid: str, answer: Answer, transport: str, kind: str) -> None:
+        """Store a refusal decided here as the query's one answer."""
+        qkey = subject_token(qid)
+        self.metrics.queries.labels(
+            transport=transport, kind=kind, status=answer.status, reason=answer.reason_label
+        ).inc()
+        await self._publish(
+            answer_subject(token, qkey),
+            json.dumps(answer.to_json(), separators=(",", ":")).encode(),
+            ANSWERS_STREAM,
+            answer_msg_id(token, qkey),
+        )
+
+    async def _query(self, msg: Delivered, token: str, transport: str) -> None:
+        self.counters["queries"] += 1
+        now = self.clock()
+        try:
+            obj = parse_json_object(msg.data)
+        except InvalidInput:
+            return  # the gateway parsed it: never here
+        qid = obj.get("query_id")
+        if not isinstance(qid, str):
+            return
+        try:
+            q = parse_query(obj)
+        except InvalidInput as exc:
+            kind = obj.get("kind")
+            label = kind if kind in ("range", "knn") else "unknown"
+            await self._answer(token, qid, Answer.refused(qid, ReasonCode.INVALID, str(exc), now), transport, label)
+            return
+        label = q.metric_kind
+
+        async def refuse(code: ReasonCode, message: str) -> None:
+            await self._answer(token, qid, Answer.refused(qid, code, message, self.clock()), transport, label)
+
+        if not self._query_buckets.take(token):
+            return await refuse(ReasonCode.RATE_LIMITED, "query rate limit reached")
+        if q.continuous or q.session_id is not None:
+            return await refuse(ReasonCode.UNSUPPORTED, "continuous queries are not supported in a cluster yet")
+        if self.mode_refusal is not None:
+            return await refuse(ReasonCode.UNSUPPORTED, self.mode_refusal)
+        stored = await self._stored_profile(token) or self.default_profile
+        try:
+            effective = stored.tightened(q.profile)
+        except ProfileError as exc:
+            return await refuse(exc.code, str(exc))
+        if q.fix is not None:
+            pending: list[Any] = []
+            code = await self._fix(
+                token, {"t": q.fix.t, "lat": q.fix.lat, "lon": q.fix.lon}, msg.seq, 0, transport, pending, "query"
+            )
+            await self._flush(pending)
+            if code is ReasonCode.INVALID:
+                return await refuse(code, "t: outside the accepted clock skew")
+        st = self.users.get(token)
+        if st is None or st.cell is None or st.t < now - self.config.cloaking.stale_after_s:
+            return await refuse(ReasonCode.STALE_POSITION, "no present position for this user")
+        if effective.l > 1 and not self.supports_l:
+            return await refuse(ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
+        if not await self._owner_answers(st.cell):
+            await self._touch(token, st)
+        routed = {
+            "user": token,
+            "query": obj,
+            "profile": effective.to_dict(),
+            "lat": st.lat,
+            "lon": st.lon,
+            "t": st.t,
+            "fix_seq": st.fix_seq,
+            "transport": transport,
+            "received": now,
+        }
+        await self._publish(
+            cellq_subject(st.cell),
+            json.dumps(routed, separators=(",", ":")).encode(),
+            CELLQ_STREAM,
+            answer_msg_id(token, subject_token(qid)),
+        )
+
+    async def _owner_answers(self, cell: int) -> bool:
+        """Whether cell ``cell`` has a live owner (asked at most once a second per cell)."""
+        now = time.monotonic()
+        if now - self._owner_seen.get(cell, -math.inf) < 1.0:
+            return True
+        try:
+            await self.nc.request(owner_applied_subject(cell), b"", timeout=0.25)
+        except Exception:
+            return False
+        self._owner_seen[cell] = now
+        return True
+
+    async def _touch(self, token: str, st: UserState) -> None:
+        """The querier's fix event again: a pin is learnt from a delivery, so a cell whose owner died while no
+        event came gets one (its successor then rebuilds and pulls the cell's queries)."""
+        assert st.cell is not None
+        body: dict[str, Any] = {"e": "fix", "t": st.t, "lat": st.lat, "lon": st.lon, "in": st.in_seq}
+        profile = self._profiles.get(token)
+        if profile is not None:
+            body["k"] = profile.to_dict()
+        self.counters["touches"] = self.counters.get("touches", 0) + 1
+        await self._publish_fix(token, st, st.cell, body, f"touch/{time.time_ns()}")
+
+    # -- status --------------------------------------------------------------------------------
+    def owns(self, token: str) -> bool:
+        return partition_of(token, self.layout.partitions) == self.partition
+
+
+__all__ = ["REPLY_HEADER", "TRANSPORT_HEADER", "Router", "UserState", "cluster_refusal"]
