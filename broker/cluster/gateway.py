@@ -678,13 +678,8 @@ class ClusterGateway:
         )
 
     async def _start_worker(self) -> None:
-        try:
-            from kcloak.broker.cluster.worker import Worker  # type: ignore[import-not-found,import-untyped,unused-ignore]
-        except ModuleNotFoundError as exc:
-            if exc.name != "kcloak.broker.cluster.worker":
-                raise
-            log_event(log, "worker_unavailable", logging.WARNING, reason="kcloak.broker.cluster.worker not installed")
-            return
+        from kcloak.broker.cluster.worker import Worker
+
         worker = Worker(
             servers=self.servers,
             layout=self.layout,
