@@ -67,7 +67,10 @@ class Gateway:
                 self.proc.wait(timeout=5)
 
 
-def start_gateway(cluster: NatsCluster, tmp_path: Path, *args: str, timeout_s: float = 40.0) -> Gateway:
+def start_gateway(
+    cluster: NatsCluster, tmp_path: Path, *args: str, timeout_s: float = 40.0, gateway_only: bool = True
+) -> Gateway:
+    """``kcloak serve --cluster`` on free ports; ``gateway_only=False`` runs its worker too (a whole node)."""
     http_port, mqtt_port = free_ports(2)
     log_path = tmp_path / f"gateway-{http_port}.log"
     cmd = [
@@ -82,7 +85,7 @@ def start_gateway(cluster: NatsCluster, tmp_path: Path, *args: str, timeout_s: f
         "3",
         "--partitions",
         str(PARTITIONS),
-        "--gateway-only",
+        *(["--gateway-only"] if gateway_only else []),
         "--worker-name",
         f"gw{http_port}",
         "--http",
