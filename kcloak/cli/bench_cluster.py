@@ -60,7 +60,7 @@ def add_parser(bench: SubParsers) -> None:
             "HTTP knn queries; measure the CPU-µs (utime+stime from /proc) that the kcloak processes (summed) "
             "and the NATS nodes (summed) spent per accepted fix and per answered query. The load generator "
             "(this process) and the LBS are excluded. Prints the coordination overhead (growth of kcloak's "
-            "CPU per message from the smallest to the largest W; target <= 15 %%) with a verdict, and the "
+            "CPU per message from the smallest to the largest W; target <= 15 %) with a verdict, and the "
             "cores needed for --fix-rate fixes/s and --query-rate queries/s: cores = sum over tiers "
             "(gateway+worker, NATS) of rate x CPU per message x skew / --utilisation, skew = busiest cell / "
             "mean cell of a Beijing street-simulator population measured on a different sample and time "
