@@ -82,7 +82,10 @@ BATCH_ITEM: Schema = {
     "title": "BatchFix",
     "description": "A fix of a batch; user defaults to the topic user (MQTT) or the token's user (HTTP with "
     "tokens) and is required per item on HTTP in open mode. Another user's fix is allowed only in open mode.",
-    "properties": {**FIX["properties"], "user": USER_ID},
+    "properties": {
+        **FIX["properties"],
+        "user": {**USER_ID, "type": ["string", "null"], "description": "null is the same as leaving it out"},
+    },
 }
 BATCH: Schema = {
     "title": "Batch",

@@ -161,23 +161,42 @@ _KEYS = {
     "fix": ["t", "lat", "lon", "extra"],
     "batch_item": ["t", "lat", "lon", "user", "extra"],
     "profile": [*_profile_keys, "extra"],
-    "query": [*(k for k in _FIELDS if k not in (*_profile_keys, "user")), "profile"],
+    "query": [*(k for k in _FIELDS if k not in (*_profile_keys, "user")), "profile", "continuous", "stop"],
+}
+
+
+_TEMPLATES: dict[str, list[dict[str, Any]]] = {
+    "fix": [{"t": 1.5, "lat": 39.9, "lon": 116.4}],
+    "batch_item": [{"t": 1, "lat": 0, "lon": 0, "user": "alice"}, {"t": 1, "lat": 0, "lon": 0}],
+    "profile": [{"k": 10, "max_area_m2": 2e6}, {}, {"l": 2, "min_area_m2": 0, "max_delay_s": 10}],
+    "query": [
+        {"query_id": "q1", "kind": "knn", "n": 5},
+        {"query_id": "q1", "kind": "range", "radius_m": 500, "category": "food", "lat": 1, "lon": 2, "t": 3},
+        {"query_id": "q1", "kind": "knn", "n": 5, "continuous": True, "profile": {"k": 7}},
+        {"query_id": "q1", "session_id": SID},
+        {"query_id": "q1", "session_id": SID, "stop": True},
+    ],
 }
 
 
 def _objects(kind: str) -> st.SearchStrategy[dict[str, Any]]:
-    def build(keys: list[str], data: st.DataObject) -> dict[str, Any]:
-        obj: dict[str, Any] = {}
-        for key in keys:
-            if key == "profile":
+    """A valid object of ``kind`` with 0-3 edits (a field set to any value, removed, or added):
+    most examples sit next to the boundary between valid and invalid, where a drift shows."""
+
+    def build(template: dict[str, Any], edits: list[tuple[str, int]], data: st.DataObject) -> dict[str, Any]:
+        obj = dict(template)
+        for key, action in edits:
+            if action == 0:
+                obj.pop(key, None)
+            elif key == "profile":
                 obj[key] = data.draw(st.one_of(_objects("profile"), _junk))
             else:
                 obj[key] = data.draw(_FIELDS[key])
         return obj
 
-    keys = _KEYS[kind]
-    return st.builds(build, st.lists(st.sampled_from(keys), unique=True), st.data()).filter(
-        lambda o: not (isinstance(o, dict) and _crossed_areas(o))
+    edit = st.tuples(st.sampled_from(_KEYS[kind]), st.integers(0, 2))
+    return st.builds(build, st.sampled_from(_TEMPLATES[kind]), st.lists(edit, max_size=3), st.data()).filter(
+        lambda o: not _crossed_areas(o)
     )
 
 
