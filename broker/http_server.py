@@ -26,6 +26,7 @@ from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
+from kcloak.broker.openapi import OPEN_PATHS
 from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import StoreError
@@ -74,7 +75,6 @@ _ERROR_ANSWERS = {
     ReasonCode.OVERLOADED,
     ReasonCode.SHUTDOWN,
 }
-_OPEN_ROUTES = {"/v1/openapi.json", "/v1/info", "/healthz", "/metrics"}
 
 
 class HttpError(BrokerError):
@@ -188,7 +188,7 @@ async def auth_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     tokens = request.app.get(TOKENS)
-    if tokens is None or not request.path.startswith("/v1/") or request.path in _OPEN_ROUTES:
+    if tokens is None or not request.path.startswith("/v1/") or request.path in OPEN_PATHS:
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -535,6 +535,12 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(broker_openapi())
 
 
+async def asyncapi(request: web.Request) -> web.Response:
+    from kcloak.broker.asyncapi import broker_asyncapi
+
+    return web.json_response(broker_asyncapi())
+
+
 def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, state: dict[str, Any]) -> web.Application:
     app = web.Application(
         # Without tokens every route is open: the auth layer is left out of the hot path.
@@ -563,6 +569,7 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     r.add_get("/v1/published/windows/{window_id}", get_window, allow_head=False)
     r.add_get("/v1/info", info, allow_head=False)
     r.add_get("/v1/openapi.json", openapi, allow_head=False)
+    r.add_get("/v1/asyncapi.json", asyncapi, allow_head=False)
     r.add_get("/healthz", healthz, allow_head=False)
     r.add_get("/metrics", metrics, allow_head=False)
     return app

@@ -1,118 +1,68 @@
-"""The broker's OpenAPI 3.1 document (``GET /v1/openapi.json``), listing every route of contract §4."""
+"""The broker's OpenAPI 3.1 document (``GET /v1/openapi.json``), listing every route of the HTTP door.
+
+Payload schemas come from :mod:`kcloak.wire.schemas` (shared with the AsyncAPI document and checked
+against the validators), reason codes from :mod:`kcloak.wire.reasons`. ``tests/broker/test_openapi.py``
+validates the document with openapi-spec-validator and checks that it lists exactly the routes
+:func:`kcloak.broker.http_server.build_app` registers.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kcloak import __version__
+from kcloak.wire import schemas as s
+from kcloak.wire.reasons import ANSWER_REASONS, ERROR_CODES, REASONS
 
-_NUM = {"type": "number"}
-_LAT = {"type": "number", "minimum": -90, "maximum": 90}
-_LON = {"type": "number", "minimum": -180, "maximum": 180}
-_SESSION_ID = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
-_FIX = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["t", "lat", "lon"],
-    "properties": {"t": {"type": "number", "description": "Unix seconds UTC"}, "lat": _LAT, "lon": _LON},
+OPEN_PATHS = frozenset({"/v1/openapi.json", "/v1/asyncapi.json", "/v1/info", "/healthz", "/metrics"})
+"""Routes that never need a token (the others need one when tokens are configured)."""
+
+_STATUS_TEXT = {
+    400: "invalid",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not found",
+    405: "method not allowed",
+    409: "duplicate",
+    413: "too large",
+    415: "unsupported media type",
+    429: "rate limited",
+    500: "internal",
+    503: "overloaded or shutting down",
 }
-_PROFILE = {
+_ERROR = s.error_schema(ERROR_CODES)
+_ANSWER = s.answer_schema(ANSWER_REASONS)
+_FIX_RESULT = {
     "type": "object",
-    "additionalProperties": False,
+    "required": ["accepted", "rejected"],
     "properties": {
-        "k": {"type": "integer", "minimum": 1, "maximum": 1000},
-        "l": {"type": "integer", "minimum": 1, "maximum": 50},
-        "min_area_m2": {"type": "number", "minimum": 0, "maximum": 2.5e9},
-        "max_area_m2": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5e9},
-        "max_delay_s": {"type": "number", "minimum": 0, "maximum": 600},
-    },
-}
-_QUERY_PROPERTIES: dict[str, object] = {
-    "query_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
-    "kind": {"enum": ["range", "knn"]},
-    "radius_m": {"type": "number", "exclusiveMinimum": 0, "maximum": 50000},
-    "n": {"type": "integer", "minimum": 1, "maximum": 100},
-    "category": {"type": "string", "minLength": 1, "maxLength": 64},
-    "lat": _LAT,
-    "lon": _LON,
-    "t": _NUM,
-    "profile": _PROFILE,
-    "continuous": {"type": "boolean"},
-    "session_id": _SESSION_ID,
-    "stop": {"type": "boolean"},
-}
-_QUERY = {"type": "object", "additionalProperties": False, "required": ["query_id"], "properties": _QUERY_PROPERTIES}
-_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["code", "message"],
-            "properties": {
-                "code": {"type": "string"},
-                "message": {"type": "string"},
-                "field": {"type": "string"},
-                "query_id": {"type": "string"},
+        "accepted": {"type": "integer", "minimum": 0},
+        "rejected": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "code"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "code": {"enum": ["invalid", "out_of_order", "too_old", "rate_limited", "overloaded"]},
+                },
             },
-        }
+        },
     },
 }
-_SESSION_STATE = {"enum": ["active", "stopped", "expired", "ended"]}
-_SESSION = {
+_PROFILE_ANSWER = {
     "type": "object",
-    "required": ["session_id", "state", "kind", "category", "started_t", "last_refresh_t", "expires_t", "refreshes"],
+    "required": ["profile", "source", "updated_t"],
     "properties": {
-        "session_id": _SESSION_ID,
-        "state": _SESSION_STATE,
-        "kind": {"enum": ["range", "knn"]},
-        "radius_m": _NUM,
-        "n": {"type": "integer"},
-        "category": {"type": ["string", "null"]},
-        "started_t": _NUM,
-        "last_refresh_t": {"type": ["number", "null"]},
-        "expires_t": _NUM,
-        "refreshes": {"type": "integer", "minimum": 0},
+        "profile": s.PROFILE_FULL,
+        "source": {"enum": ["stored", "default"]},
+        "updated_t": {"type": ["number", "null"]},
     },
 }
-_SESSION_BRIEF = {
-    "type": "object",
-    "required": ["session_id", "state"],
-    "properties": {"session_id": _SESSION_ID, "state": _SESSION_STATE, "expires_t": _NUM},
-}
-_START = {
-    **_QUERY,
-    "properties": {k: v for k, v in _QUERY_PROPERTIES.items() if k not in ("continuous", "session_id", "stop")},
-}
-_REFRESH = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["query_id"],
-    "properties": {k: _QUERY_PROPERTIES[k] for k in ("query_id", "lat", "lon", "t")},
-}
-_ANSWER = {
-    "type": "object",
-    "required": ["query_id", "status", "t"],
-    "properties": {
-        "query_id": {"type": "string"},
-        "status": {"enum": ["ok", "refused"]},
-        "reason": {"type": "string"},
-        "message": {"type": "string"},
-        "algorithm": {"type": "string"},
-        "k_achieved": {"type": "integer"},
-        "l_achieved": {"type": "integer"},
-        "area_m2": _NUM,
-        "region": {"type": "object"},
-        "results": {"type": "array", "items": {"type": "object"}},
-        "truncated": {"type": "boolean"},
-        "session": _SESSION_BRIEF,
-        "t": _NUM,
-    },
-}
-
-
+_NUM = {"type": "number"}
 _WINDOW_META_PROPERTIES: dict[str, object] = {
-    "window_id": {"type": "string", "pattern": "^[0-9]+-[0-9]+$"},
+    "window_id": s.WINDOW_ID,
     "t_start": {"type": "integer"},
     "t_end": {"type": "integer"},
     "method": {"type": "string"},
@@ -154,11 +104,198 @@ _WINDOW_REPORT = {
         "runtime_s": _NUM,
     },
 }
+_INFO = {
+    "type": "object",
+    "required": ["version", "algorithm", "auth", "mqtt", "profile_defaults", "limits"],
+    "properties": {
+        "version": {"type": "string"},
+        "algorithm": {"type": "string"},
+        "auth": {"enum": ["tokens", "open"]},
+        "mqtt": {"enum": ["embedded", "external", "none"]},
+        "profile_defaults": s.PROFILE_FULL,
+        "limits": {"type": "object", "additionalProperties": {"type": "integer"}},
+    },
+}
+_HEALTH = {
+    "type": "object",
+    "required": ["status", "version", "uptime_s", "mqtt", "upstream"],
+    "properties": {
+        "status": {"enum": ["ok", "draining", "degraded"]},
+        "version": {"type": "string"},
+        "uptime_s": _NUM,
+        "mqtt": {"enum": ["connected", "disconnected", "none"]},
+        "upstream": {"enum": ["ok", "failing", "unknown"]},
+        "stores": {"type": "object", "additionalProperties": {"enum": ["ok", "failing"]}},
+    },
+}
+_PARAMETERS: dict[str, dict[str, Any]] = {
+    "user": {"name": "user", "in": "path", "required": True, "schema": s.USER_ID},
+    "session_id": {"name": "session_id", "in": "path", "required": True, "schema": s.SESSION_ID},
+    "window_id": {"name": "window_id", "in": "path", "required": True, "schema": s.WINDOW_ID},
+}
+
+
+def _json(schema: Mapping[str, object], description: str) -> dict[str, object]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _op(
+    operation_id: str,
+    summary: str,
+    *,
+    tag: str,
+    body: Mapping[str, object] | None = None,
+    ok: Mapping[str, object] | None = None,
+    ok_status: str = "200",
+    ok_response: Mapping[str, object] | None = None,
+    errors: Sequence[int] = (),
+    description: str | None = None,
+) -> dict[str, object]:
+    """One operation: JSON ``body`` (if any), ``ok`` the JSON schema of its success answer (or a
+    whole ``ok_response``), ``errors`` the HTTP statuses of its error bodies."""
+    if ok_response is None:
+        ok_response = _json(ok or {"type": "object"}, "success") if ok_status != "204" else {"description": "done"}
+    responses: dict[str, object] = {ok_status: ok_response}
+    for status in errors:
+        responses[str(status)] = _json(_ERROR, _STATUS_TEXT[status])
+    op: dict[str, object] = {"operationId": operation_id, "summary": summary, "tags": [tag], "responses": responses}
+    if description:
+        op["description"] = description
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return op
+
+
+_QUERY_ERRORS = (400, 401, 403, 409, 413, 415, 429, 500, 503)
+
+
+def _operations() -> dict[str, dict[str, dict[str, object]]]:
+    return {
+        "/v1/users/{user}/location": {
+            "post": _op(
+                "postLocation",
+                "Submit one location fix",
+                tag="fixes",
+                body=s.FIX,
+                ok=_FIX_RESULT,
+                errors=(400, 401, 403, 413, 415, 429, 503),
+                description="Answered once the fix is stored (it survives a crash). A fix that is too_old or "
+                "out_of_order is a 200 with the code in `rejected`.",
+            )
+        },
+        "/v1/locations": {
+            "post": _op(
+                "postLocations",
+                "Submit a batch of fixes",
+                tag="fixes",
+                body=s.BATCH,
+                ok=_FIX_RESULT,
+                errors=(400, 401, 403, 413, 415, 503),
+            )
+        },
+        "/v1/users/{user}/profile": {
+            "get": _op(
+                "getProfile", "Read the stored profile", tag="profiles", ok=_PROFILE_ANSWER, errors=(400, 401, 403)
+            ),
+            "put": _op(
+                "putProfile",
+                "Replace the stored profile (omitted fields take the server defaults)",
+                tag="profiles",
+                body=s.PROFILE,
+                ok=_PROFILE_ANSWER,
+                errors=(400, 401, 403, 413, 415, 429, 503),
+            ),
+            "delete": _op(
+                "deleteProfile", "Reset to the default profile", tag="profiles", ok_status="204", errors=(400, 401, 403)
+            ),
+        },
+        "/v1/users/{user}/query": {
+            "post": _op(
+                "postQuery",
+                "Run a query (one answer)",
+                tag="queries",
+                body=s.QUERY,
+                ok=_ANSWER,
+                errors=_QUERY_ERRORS,
+                description="Blocks until answered: at most max_delay_s + upstream.deadline_s + 1 s. A refusal "
+                "with an answer code (k_unreachable, area_exceeded, …) is a 200 answer; error bodies carry query_id.",
+            )
+        },
+        "/v1/users/{user}/sessions": {
+            "post": _op(
+                "startSession",
+                "Start a continuous query",
+                tag="sessions",
+                body=s.SESSION_START,
+                ok=_ANSWER,
+                errors=_QUERY_ERRORS,
+            )
+        },
+        "/v1/users/{user}/sessions/{session_id}/refresh": {
+            "post": _op(
+                "refreshSession",
+                "Refresh a session",
+                tag="sessions",
+                body=s.SESSION_REFRESH,
+                ok=_ANSWER,
+                errors=_QUERY_ERRORS,
+            )
+        },
+        "/v1/users/{user}/sessions/{session_id}": {
+            "get": _op("getSession", "Read a session", tag="sessions", ok=s.SESSION, errors=(400, 401, 403, 404)),
+            "delete": _op(
+                "stopSession", "Stop a session", tag="sessions", ok_status="204", errors=(400, 401, 403, 404)
+            ),
+        },
+        "/v1/published/windows": {"get": _windows_op()},
+        "/v1/published/windows/{window_id}": {
+            "get": _op(
+                "getWindow", "A published window's report", tag="published", ok=_WINDOW_REPORT, errors=(401, 403, 404)
+            )
+        },
+        "/v1/published/windows/{window_id}.csv": {
+            "get": _op(
+                "getWindowCsv",
+                "A published window's file (CSV traj_id,t,lat,lon)",
+                tag="published",
+                ok_response={"description": "the window file", "content": {"text/csv": {"schema": {"type": "string"}}}},
+                errors=(401, 403, 404),
+            )
+        },
+        "/v1/info": {
+            "get": _op("getInfo", "Service information: version, algorithm, defaults, limits", tag="service", ok=_INFO)
+        },
+        "/v1/openapi.json": {"get": _op("getOpenApi", "This document (OpenAPI 3.1)", tag="service")},
+        "/v1/asyncapi.json": {"get": _op("getAsyncApi", "The MQTT interface (AsyncAPI 3.0)", tag="service")},
+        "/healthz": {
+            "get": _op(
+                "getHealth",
+                "Health",
+                tag="service",
+                ok=_HEALTH,
+                description="503 with status draining during shutdown, or degraded when MQTT has been "
+                "disconnected for more than 10 s or a store cannot write.",
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "getMetrics",
+                "Prometheus metrics",
+                tag="service",
+                ok_response={
+                    "description": "Prometheus text format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                },
+            )
+        },
+    }
 
 
 def _windows_op() -> dict[str, object]:
     op = _op(
+        "listWindows",
         "List published windows (ascending t_start)",
+        tag="published",
         ok={
             "type": "object",
             "required": ["windows", "next_since"],
@@ -167,6 +304,7 @@ def _windows_op() -> dict[str, object]:
                 "next_since": {"type": ["integer", "null"]},
             },
         },
+        errors=(400, 401, 403),
     )
     op["parameters"] = [
         {"name": "since", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
@@ -175,68 +313,30 @@ def _windows_op() -> dict[str, object]:
     return op
 
 
-def _csv_op() -> dict[str, object]:
-    return _op(
-        "A published window's file (contract CSV traj_id,t,lat,lon)",
-        ok_response={"description": "the window file", "content": {"text/csv": {"schema": {"type": "string"}}}},
-    )
-
-
-def _op(
-    summary: str,
-    body: Mapping[str, object] | None = None,
-    ok: Mapping[str, object] | None = None,
-    *,
-    ok_response: Mapping[str, object] | None = None,
-) -> dict[str, object]:
-    """An operation: JSON ``body`` (if any), ``ok`` the JSON schema of its 200 answer (or a whole
-    ``ok_response`` for other media types), errors in the contract's error object."""
-    if ok_response is None:
-        ok_response = {"description": "success", "content": {"application/json": {"schema": ok or {"type": "object"}}}}
-    op: dict[str, object] = {
-        "summary": summary,
-        "responses": {
-            "200": ok_response,
-            "default": {"description": "error", "content": {"application/json": {"schema": _ERROR}}},
-        },
-    }
-    if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-    return op
-
-
 def broker_openapi() -> dict[str, object]:
-    batch = {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["updates"],
-        "properties": {"updates": {"type": "array", "maxItems": 10000, "items": {"type": "object"}}},
-    }
+    paths: dict[str, object] = {}
+    for path, operations in _operations().items():
+        names = [name for name in _PARAMETERS if "{" + name + "}" in path]
+        item: dict[str, object] = dict(operations)
+        if names:
+            item["parameters"] = [_PARAMETERS[name] for name in names]
+        if path not in OPEN_PATHS:
+            for op in operations.values():
+                op["security"] = [{"bearer": []}]
+        paths[path] = item
     return {
         "openapi": "3.1.0",
-        "info": {"title": "kcloak broker", "version": __version__},
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "paths": {
-            "/v1/users/{user}/location": {"post": _op("Submit one location fix", _FIX)},
-            "/v1/locations": {"post": _op("Submit a batch of fixes", batch)},
-            "/v1/users/{user}/profile": {
-                "get": _op("Read the stored profile"),
-                "put": _op("Replace the stored profile", _PROFILE),
-                "delete": {"summary": "Reset to the default profile", "responses": {"204": {"description": "reset"}}},
-            },
-            "/v1/users/{user}/query": {"post": _op("Run a query (one answer)", _QUERY, _ANSWER)},
-            "/v1/users/{user}/sessions": {"post": _op("Start a continuous query", _START, _ANSWER)},
-            "/v1/users/{user}/sessions/{session_id}/refresh": {"post": _op("Refresh a session", _REFRESH, _ANSWER)},
-            "/v1/users/{user}/sessions/{session_id}": {
-                "get": _op("Read a session", ok=_SESSION),
-                "delete": {"summary": "Stop a session", "responses": {"204": {"description": "stopped"}}},
-            },
-            "/v1/published/windows": {"get": _windows_op()},
-            "/v1/published/windows/{window_id}": {"get": _op("A published window's report", ok=_WINDOW_REPORT)},
-            "/v1/published/windows/{window_id}.csv": {"get": _csv_op()},
-            "/v1/info": {"get": _op("Service information")},
-            "/v1/openapi.json": {"get": _op("This document")},
-            "/healthz": {"get": _op("Health")},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+        "info": {
+            "title": "kcloak broker",
+            "version": __version__,
+            "description": "The HTTP door of kcloak's v1 interface. With tokens configured every /v1/ route but "
+            "/v1/openapi.json, /v1/asyncapi.json and /v1/info needs a bearer token acting for {user}; in open "
+            "mode the header is ignored. Every error is the Error body. Reason codes: docs/interface.md.",
         },
+        "tags": [{"name": t} for t in ("fixes", "profiles", "queries", "sessions", "published", "service")],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": paths,
     }
+
+
+__all__ = ["OPEN_PATHS", "REASONS", "broker_openapi"]

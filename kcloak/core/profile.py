@@ -62,6 +62,8 @@ _RULES: dict[str, tuple[bool, float, bool, float, bool]] = {
     "max_delay_s": (False, 0.0, True, 600.0, False),
 }
 PROFILE_FIELDS: tuple[str, ...] = tuple(_RULES)
+PROFILE_RULES: Mapping[str, tuple[bool, float, bool, float, bool]] = _RULES
+"""The bounds of each profile field, as above: the validators and the published JSON Schemas read them."""
 
 
 @dataclass(frozen=True, slots=True)
