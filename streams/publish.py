@@ -8,6 +8,7 @@ ids or cluster construction order. Shuffles and ids come from ``secrets`` unless
 from __future__ import annotations
 
 import random
+from collections import Counter
 import secrets
 import time
 from collections.abc import Collection, Sequence
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from kcloak.core.geometry import haversine_m_array
 from kcloak.core.names import KDeltaMethod, values
 from kcloak.core.readers import FixTable
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult
@@ -63,6 +66,14 @@ def publish_rows(
     return table, mapping
 
 
+def distribution(values: npt.ArrayLike) -> dict[str, float]:
+    """Median, 95th percentile and maximum of per-point values (zeros when there are none)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) == 0:
+        return {"median": 0.0, "p95": 0.0, "max": 0.0}
+    return {"median": float(np.median(v)), "p95": float(np.percentile(v, 95)), "max": float(v.max())}
+
+
 def anonymization_report(
     result: KDeltaResult,
     inputs: Sequence[Trajectory],
@@ -87,6 +98,16 @@ def anonymization_report(
     n_points_out = len(published)
     sizes = [len(g) for g in result.groups]
     n_in = len(inputs)
+    per_point = (
+        np.concatenate(
+            [
+                haversine_m_array(o.lat, o.lon, p.lat, p.lon)
+                for o, p in zip(result.originals, result.published, strict=True)
+            ]
+        )
+        if result.published
+        else np.zeros(0)
+    )
     report: dict[str, Any] = {
         "seed": seed,
         "method": method,
@@ -102,11 +123,17 @@ def anonymization_report(
         "n_points_in": sum(len(tr) for tr in inputs),
         "n_points_out": n_points_out,
         "trash_fraction": len(result.trash) / n_in if n_in else 0.0,
+        "trash_limit": int(result.trash_limit),
+        "trash_reasons": result.trash_by_reason(),
+        # sizes only: the spans of classes below k would tell when a suppressed user moved
+        "small_class_sizes": {str(n): c for n, c in sorted(Counter(c.n for c in result.small_classes).items())},
         "n_groups": len(sizes),
         "group_size_mean": float(np.mean(sizes)) if sizes else 0.0,
         "total_translation_m": total,
         "mean_translation_m": total / n_points_out if n_points_out else 0.0,
         "time_distortion_s": float(shift_all.sum()),
+        "translation_m": distribution(per_point),
+        "time_shift_s": distribution(shift_all),
         "range_query_distortion": range_query_distortion(
             fixes_of(inputs), published, n_queries=range_queries, seed=0 if seed is None else seed
         ),
@@ -118,6 +145,70 @@ def anonymization_report(
         report["n_deleted"] = int(getattr(result, "n_deleted", 0))
         report["time_shift_max_s"] = float(shift_all.max()) if len(shift_all) else 0.0
     return report
+
+
+def refusal_reason(report: dict[str, Any]) -> str:
+    """Why a window cannot be published, from its report alone: counts per trash reason, the classes
+    too small for ``k`` and the method or parameter that would place them (issue 16). No coordinate,
+    id or instant appears in the text (it may be logged)."""
+    n_in, n_trash, k = int(report["n_in"]), int(report["n_trash"]), int(report["k"])
+    limit = int(report.get("trash_limit", 0))
+    if n_in < k:
+        return f"only {n_in} trajectories for k={k}"
+    parts = [f"trash {n_trash} of {n_in} > {limit} allowed (trash_max {float(report['trash_max']):g})"]
+    reasons: dict[str, int] = report.get("trash_reasons", {})
+    words = {
+        "span_shorter_than_pi": "spans shorter than pi_s",
+        "class_smaller_than_k": f"in time-span classes smaller than k={k}",
+        "beyond_radius": "beyond the clustering radius",
+        "no_match_within_bounds": "with no k-1 others within the time-shift bound and radius",
+    }
+    for name, n in reasons.items():
+        parts.append(f"{n} {words.get(name, name)}")
+    sizes: dict[str, int] = report.get("small_class_sizes", {})
+    if sizes:
+        shown = ", ".join(f"{cnt} of size {size}" for size, cnt in sorted(sizes.items(), key=lambda kv: int(kv[0])))
+        parts.append(f"{sum(sizes.values())} classes too small ({shown})")
+    hint = ""
+    method = report.get("method")
+    unavoidable = int(reasons.get("class_smaller_than_k", 0)) + int(reasons.get("span_shorter_than_pi", 0))
+    if method == "nwa" and unavoidable:
+        hint = "; --method w4m and --method microagg accept unequal time spans, a larger --pi-s merges classes"
+    elif method == "nwa" or method == "microagg":
+        hint = "; --method w4m tolerates unequal spans and sampling"
+    elif method == "w4m":
+        hint = "; a larger --delta, --max-radius or --max-time-shift-s, or a smaller --k, would group more"
+    return "; ".join(parts) + hint
+
+
+def other_methods(fixes: FixTable, refused: dict[str, Any], **params: Any) -> list[str]:
+    """For a refused release: one line per other method saying whether it would publish the same input
+    with the same ``k``, δ and ``trash_max`` (issue 16: "say which method would publish it")."""
+    lines: list[str] = []
+    for method in METHODS:
+        if method == refused["method"]:
+            continue
+        rel = anonymize(
+            fixes,
+            method=method,
+            k=int(refused["k"]),
+            delta_m=float(refused["delta"]),
+            trash_max=float(refused["trash_max"]),
+            range_queries=0,
+            seed=0,
+            **params,
+        )
+        rep = rel.report
+        if rel.ok:
+            lines.append(
+                f"--method {method} would publish {rep['n_out']} of {rep['n_in']} (trash {rep['n_trash']}, "
+                f"translation median {rep['translation_m']['median']:.0f} m, max {rep['translation_m']['max']:.0f} m)"
+            )
+        else:
+            lines.append(
+                f"--method {method} would not publish it either (trash {rep['n_trash']} > {rep['trash_limit']})"
+            )
+    return lines
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -142,26 +233,41 @@ def anonymize(
     range_queries: int = RANGE_QUERIES,
     tau_s: float | None = None,
     distance: str = "edr",
+    max_time_shift_s: float | None = None,
+    max_radius: float | None = None,
 ) -> Release:
     """Read-to-release pipeline of ``kcloak anonymize`` (contract §7): model, algorithm, randomization, report.
 
     ``ok`` is false (and ``table`` empty) when fewer than k trajectories are eligible or the trash would
     exceed ``trash_max``: the caller then exits 1 / publishes the window empty. ``tau_s`` (time tolerance,
-    default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
+    default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`), ``distance`` (``edr`` or ``lst``) and
+    ``max_time_shift_s`` (default an hour) apply to W4M only; ``max_radius`` is the clustering radius of
+    NWA (root-mean-square metres per instant, default unbounded) or W4M (normalized, default 0.9),
+    beyond which a trajectory is trash.
     """
     from kcloak.streams.kdelta.microagg import microaggregate
     from kcloak.streams.kdelta.nwa import nwa
-    from kcloak.streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
+    from kcloak.streams.kdelta.w4m import DEFAULT_MAX_TIME_SHIFT_S, DEFAULT_TAU_S, Distance, w4m
 
     started = time.perf_counter()
     inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))
     if method == "nwa":
-        result = nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max)
+        result = nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max, max_rms_m=max_radius)
     elif method == "w4m":
         if distance not in tuple(Distance):
             raise KDeltaError(f"distance: must be one of {', '.join(Distance)}")
         tau = DEFAULT_TAU_S if tau_s is None else tau_s
-        result = w4m(inputs, k=k, delta_m=delta_m, trash_max=trash_max, tau_s=tau, distance=distance)
+        shift = DEFAULT_MAX_TIME_SHIFT_S if max_time_shift_s is None else max_time_shift_s
+        result = w4m(
+            inputs,
+            k=k,
+            delta_m=delta_m,
+            trash_max=trash_max,
+            tau_s=tau,
+            distance=distance,
+            max_time_shift_s=shift,
+            max_radius=max_radius,
+        )
     elif method == "microagg":
         result = microaggregate(inputs, k=k, delta_m=delta_m, trash_max=trash_max)
     else:
@@ -171,7 +277,9 @@ def anonymize(
         table, mapping = publish_rows(result.published, seed=seed, avoid=[tr.traj_id for tr in inputs])
     else:
         table, mapping = fixes_of([]), {}
-        result = KDeltaResult((), (), (), result.trash, result.n_in, result.trash_limit)
+        result = KDeltaResult(
+            (), (), (), result.trash, result.n_in, result.trash_limit, result.trash_reasons, result.small_classes
+        )
     runtime_s = time.perf_counter() - started
     report = anonymization_report(
         result,
@@ -191,4 +299,13 @@ def anonymize(
     return Release(ok, table, mapping, report)
 
 
-__all__ = ["METHODS", "Release", "anonymization_report", "anonymize", "fresh_ids", "publish_rows"]
+__all__ = [
+    "METHODS",
+    "Release",
+    "anonymization_report",
+    "anonymize",
+    "fresh_ids",
+    "other_methods",
+    "publish_rows",
+    "refusal_reason",
+]
