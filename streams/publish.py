@@ -8,9 +8,9 @@ ids or cluster construction order. Shuffles and ids come from ``secrets`` unless
 from __future__ import annotations
 
 import random
-from collections import Counter
 import secrets
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
