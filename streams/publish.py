@@ -157,9 +157,10 @@ def refusal_reason(report: dict[str, Any]) -> str:
         return f"only {n_in} trajectories for k={k}"
     parts = [f"trash {n_trash} of {n_in} > {limit} allowed (trash_max {float(report['trash_max']):g})"]
     reasons: dict[str, int] = report.get("trash_reasons", {})
+    small_words = "time-connected groups" if report.get("method") == "w4m" else "time-span classes"
     words = {
         "span_shorter_than_pi": "spans shorter than pi_s",
-        "class_smaller_than_k": f"in time-span classes smaller than k={k}",
+        "class_smaller_than_k": f"in {small_words} smaller than k={k}",
         "beyond_radius": "beyond the clustering radius",
         "no_match_within_bounds": "with no k-1 others within the time-shift bound and radius",
     }
@@ -168,7 +169,7 @@ def refusal_reason(report: dict[str, Any]) -> str:
     sizes: dict[str, int] = report.get("small_class_sizes", {})
     if sizes:
         shown = ", ".join(f"{cnt} of size {size}" for size, cnt in sorted(sizes.items(), key=lambda kv: int(kv[0])))
-        parts.append(f"{sum(sizes.values())} classes too small ({shown})")
+        parts.append(f"{sum(sizes.values())} {small_words} too small ({shown})")
     hint = ""
     method = report.get("method")
     unavoidable = int(reasons.get("class_smaller_than_k", 0)) + int(reasons.get("span_shorter_than_pi", 0))

@@ -89,9 +89,12 @@ def cab_hour_fixes(
 
 
 def geolife_like_fixes(
-    n: int = 964, points: int = 453_397, *, users: int = 31, seed: int = 0, years: float = 5.0
+    n: int = 964, points: int = 453_397, *, users: int = 31, seed: int = 0, years: float = 5.0, days: float = 400.0
 ) -> FixTable:
     """``n`` trajectories of ``users`` users with ``points`` fixes in all, spread over ``years`` years.
+
+    Each user's trips fall within ``days`` days of the user's own start (a small ``days`` and ``years``
+    make a dense, co-temporal stress case).
 
     Lengths are log-normal (a few trajectories hold tens of thousands of fixes, as GeoLife's do),
     sampling 1–5 s, walking to driving speeds; each user's trips fall on a few days of their own, so
@@ -110,7 +113,7 @@ def geolife_like_fixes(
     for i in range(n):
         m = int(lengths[i])
         period = float(rng.choice([1.0, 2.0, 5.0]))
-        t0 = user_t0[user[i]] + rng.uniform(0.0, 400.0) * 86400 + rng.uniform(0.0, 86400)
+        t0 = user_t0[user[i]] + rng.uniform(0.0, days) * 86400 + rng.uniform(0.0, min(86400.0, days * 86400))
         t = t0 + period * np.arange(m) + rng.uniform(0.0, 0.4, m)
         xs.append(_walk(rng, m, t, float(rng.choice([1.4, 5.0, 12.0])), rng.normal(0.0, 6_000.0, 2)))
         ts.append(t)

@@ -74,7 +74,7 @@ def test_refusal_names_the_small_classes_and_the_methods_that_accept_them() -> N
     assert sum(n * c for n, c in sizes.items()) == 103 and max(sizes) < 5
     text = refusal_reason(rep)
     assert "103 in time-span classes smaller than k=5" in text
-    assert f"{sum(sizes.values())} classes too small" in text
+    assert f"{sum(sizes.values())} time-span classes too small" in text
     assert "--method w4m" in text and "--pi-s" in text
     assert "cab" not in text  # no input id in a text that may be logged
 
