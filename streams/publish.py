@@ -22,7 +22,7 @@ from kcloak.core.geometry import haversine_m_array
 from kcloak.core.names import KDeltaMethod, values
 from kcloak.core.readers import FixTable
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult
-from kcloak.streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
+from kcloak.streams.quality import RANGE_QUERIES, range_query_distortions, translation_m
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 METHODS: tuple[str, ...] = values(KDeltaMethod)
@@ -72,6 +72,17 @@ def distribution(values: npt.ArrayLike) -> dict[str, float]:
     if len(v) == 0:
         return {"median": 0.0, "p95": 0.0, "max": 0.0}
     return {"median": float(np.median(v)), "p95": float(np.percentile(v, 95)), "max": float(v.max())}
+
+
+def _range_fields(before: FixTable, after: FixTable, n: int, seed: int, uncertainty_m: float) -> dict[str, float]:
+    """``range_query_distortion`` (PSI, docs/quality.md) with its DAI companion and the changed fraction."""
+    d = range_query_distortions(before, after, n_queries=n, seed=seed, uncertainty_m=uncertainty_m)
+    return {
+        "range_query_distortion": d["psi"],
+        "range_query_distortion_dai": d["dai"],
+        "range_query_changed_fraction": d["changed_fraction"],
+        "range_query_uncertainty_m": uncertainty_m,
+    }
 
 
 def anonymization_report(
@@ -134,9 +145,7 @@ def anonymization_report(
         "time_distortion_s": float(shift_all.sum()),
         "translation_m": distribution(per_point),
         "time_shift_s": distribution(shift_all),
-        "range_query_distortion": range_query_distortion(
-            fixes_of(inputs), published, n_queries=range_queries, seed=0 if seed is None else seed
-        ),
+        **_range_fields(fixes_of(inputs), published, range_queries, 0 if seed is None else seed, delta_m / 2.0),
         "range_queries": range_queries,
         "runtime_s": runtime_s,
     }
