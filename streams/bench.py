@@ -351,8 +351,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str) -> None:
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], color=colour[s], marker="o") for s in series]
     fig.legend(handles, [f"{m} n={n} k={k}" for m, n, k in series], loc="lower center", ncol=min(6, len(series)))
-    fig.text(0.01, 0.01, "missing points: refused runs (their trash is in the right panel)", fontsize="small")
-    fig.suptitle("bench anonymize — (k, δ) trade-off")
+    fig.suptitle("bench anonymize — (k, δ) trade-off (a missing point is a refused run; its trash is on the right)")
     fig.tight_layout(rect=(0.0, 0.12, 1.0, 1.0))
     fig.savefig(path)
     plt.close(fig)
