@@ -23,6 +23,8 @@ FORMATS: tuple[str, ...] = values(InputFormat)
 DEFAULT_TAU_S = 60.0
 DEFAULT_MAX_TIME_SHIFT_S = 3600.0
 DEFAULT_W4M_MAX_RADIUS = 0.9
+OUTLIER_DELTAS = 10
+"""A published point moved by more than this many δ is worth a warning (outliers joined a group)."""
 DISTANCES: tuple[str, ...] = values(TrajectoryDistance)
 
 
@@ -163,6 +165,14 @@ def run(args: argparse.Namespace) -> int:
             w.writerow(["published_id", "traj_id"])
             w.writerows(sorted(release.mapping.items()))
     tr, ts = report["translation_m"], report["time_shift_s"]
+    if args.delta > 0 and tr["max"] > OUTLIER_DELTAS * args.delta:
+        err.print(
+            f"[yellow]warning[/yellow]: some published points moved more than {OUTLIER_DELTAS}×delta "
+            f"(largest {tr['max']:,.0f} m); --max-radius M trashes trajectories farther than M metres "
+            "(RMS) from their group instead",
+            highlight=False,
+            soft_wrap=True,
+        )
     err.print(
         f"published {report['n_out']} of {report['n_in']} trajectories in {report['n_groups']} groups "
         f"(trash {report['n_trash']}, mean translation {report['mean_translation_m']:.1f} m; translation "

@@ -91,6 +91,17 @@ def test_cli_refuses_with_the_reason_then_publishes_at_a_bound_that_holds_the_un
     assert "--method microagg would publish 436 of 436" in err  # the other methods were tried
     assert not out.exists()
     assert main([*args, "--trash-max", "0.3", "--no-suggest"]) == 0
+    err = capsys.readouterr().err
+    report = json.loads(rep.read_text())
+    # outliers joined groups (some cabs wander 20 km off): the release says so and names the remedy
+    assert report["translation_m"]["max"] > 20_000.0
+    assert "warning: some published points moved more than 10×delta" in err and "--max-radius" in err
+    assert main([*args, "--trash-max", "0.3", "--no-suggest", "--max-radius", "15000"]) == 0
+    bounded = json.loads(rep.read_text())
+    assert bounded["trash_reasons"].get("beyond_radius", 0) > 0 and bounded["n_trash"] > 103
+    assert bounded["translation_m"]["max"] < report["translation_m"]["max"]
+    assert "warning" not in capsys.readouterr().err or bounded["translation_m"]["max"] > 20_000.0
+    assert main([*args, "--trash-max", "0.3", "--no-suggest"]) == 0
     report = json.loads(rep.read_text())
     assert report["n_out"] == 333 and report["n_trash"] == 103
     assert set(report["translation_m"]) == {"median", "p95", "max"}
