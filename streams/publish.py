@@ -21,7 +21,7 @@ import numpy.typing as npt
 from kcloak.core.geometry import haversine_m_array
 from kcloak.core.names import KDeltaMethod, values
 from kcloak.core.readers import FixTable
-from kcloak.streams.kdelta import KDeltaError, KDeltaResult
+from kcloak.streams.kdelta import KDeltaError, KDeltaResult, SmallClass
 from kcloak.streams.quality import RANGE_QUERIES, range_query_distortions, translation_m
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
@@ -191,6 +191,20 @@ def refusal_reason(report: dict[str, Any]) -> str:
     return "; ".join(parts) + hint
 
 
+def small_class_lines(small: Sequence[SmallClass], *, limit: int = 8) -> list[str]:
+    """The largest small classes as ``span (UTC) — n trajectories``, at most ``limit`` lines (then a count)."""
+    from datetime import UTC, datetime
+
+    def at(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    ordered = sorted(small, key=lambda c: (-c.n, c.t_start, c.t_end))
+    lines = [f"{at(c.t_start)} .. {at(c.t_end)} UTC: {c.n}" for c in ordered[:limit]]
+    if len(ordered) > limit:
+        lines.append(f"… and {len(ordered) - limit} more")
+    return lines
+
+
 def other_methods(fixes: FixTable, refused: dict[str, Any], **params: Any) -> list[str]:
     """For a refused release: one line per other method saying whether it would publish the same input
     with the same ``k``, δ and ``trash_max`` (issue 16: "say which method would publish it")."""
@@ -229,6 +243,9 @@ class Release:
     table: FixTable
     mapping: dict[str, str]
     report: dict[str, Any]
+    small_classes: tuple[SmallClass, ...] = ()
+    """The classes (NWA) or time-connected groups (W4M) smaller than k, with their spans: for the operator's
+    console only (the report carries their sizes, not their spans)."""
 
 
 def anonymize(
@@ -306,7 +323,7 @@ def anonymize(
         seed=seed,
         range_queries=range_queries,
     )
-    return Release(ok, table, mapping, report)
+    return Release(ok, table, mapping, report, result.small_classes)
 
 
 __all__ = [

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kcloak.core.readers import ReaderError, read_fixes, write_contract_csv
     from kcloak.streams.kdelta import KDeltaError
-    from kcloak.streams.publish import METHODS, anonymize, other_methods, refusal_reason
+    from kcloak.streams.publish import METHODS, anonymize, other_methods, refusal_reason, small_class_lines
 
     if args.method not in CONTRACT_METHODS:
         raise UsageError(f"--method: must be one of {', '.join(CONTRACT_METHODS)}")
@@ -153,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         err.print(
             f"[red]not published[/red]: {refusal_reason(report)}; nothing written", highlight=False, soft_wrap=True
         )
+        if release.small_classes:
+            err.print("  too small for k (span, trajectories):", highlight=False)
+            for line in small_class_lines(release.small_classes):
+                err.print(f"    {line}", highlight=False, soft_wrap=True)
         if not args.no_suggest and report["n_in"] >= args.k:
             with phase("trying the other methods on the same input"):
                 for line in other_methods(fixes, report, pi_s=args.pi_s, tau_s=args.tau_s, distance=args.distance):

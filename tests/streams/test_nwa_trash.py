@@ -89,6 +89,7 @@ def test_cli_refuses_with_the_reason_then_publishes_at_a_bound_that_holds_the_un
     err = capsys.readouterr().err
     assert "classes smaller than k=5" in err and "nothing written" in err
     assert "--method microagg would publish 436 of 436" in err  # the other methods were tried
+    assert "too small for k (span, trajectories):" in err and "2008-05-17 10:" in err and "… and 42 more" in err
     assert not out.exists()
     assert main([*args, "--trash-max", "0.3", "--no-suggest"]) == 0
     err = capsys.readouterr().err
