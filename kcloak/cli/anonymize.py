@@ -172,8 +172,12 @@ def run(args: argparse.Namespace) -> int:
     if args.delta > 0 and tr["max"] > OUTLIER_DELTAS * args.delta:
         err.print(
             f"[yellow]warning[/yellow]: some published points moved more than {OUTLIER_DELTAS}×delta "
-            f"(largest {tr['max']:,.0f} m); --max-radius M trashes trajectories farther than M metres "
-            "(RMS) from their group instead",
+            f"(largest {tr['max']:,.0f} m)"
+            + (
+                "; --max-radius trashes trajectories beyond the clustering radius instead"
+                if args.method in ("nwa", "w4m")
+                else "; microaggregation has no radius: --method nwa or w4m with --max-radius bounds it"
+            ),
             highlight=False,
             soft_wrap=True,
         )
