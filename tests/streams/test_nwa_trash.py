@@ -28,7 +28,9 @@ from kcloak.streams.synthetic import cab_hour_fixes
 from kcloak.streams.trajectory import Trajectory, split_too_short, trajectories_from_fixes
 
 FRAME = Aeqd(37.77, -122.42)
-TDRIVE = Path("/work/shared/data/research/tdrive_beijing_20080202_1600-1630.csv.gz")
+TDRIVE = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "research" / "tdrive_beijing_20080202_1600-1630.csv.gz"
+)
 
 
 def cab_hour() -> list[Trajectory]:
