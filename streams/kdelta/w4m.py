@@ -229,6 +229,27 @@ def _align(
 
 
 # -- neighbours -------------------------------------------------------------------------------
+def _batch_end(la: I64, lb: I64, start: int, budget: int) -> int:
+    """End of the batch of pairs from ``start`` whose *padded* DP, ``pairs × (max la + 1) × (max lb + 1)``,
+    stays within ``budget`` cells (at least one pair). ``la`` is sorted ascending from ``start`` on.
+
+    Sizing a batch by its first (smallest) pair, as before issue 16, padded a batch of thousands of short
+    pairs to the longest trajectory among them: on a half hour of Beijing taxis most time went there.
+    """
+    n = len(la)
+    end, mb, step = start + 1, int(lb[start]), 1
+    while end < n:
+        new_end = min(n, end + step)
+        mb_new = max(mb, int(lb[end:new_end].max()))
+        if (new_end - start) * (int(la[new_end - 1]) + 1) * (mb_new + 1) > budget:
+            if step == 1:
+                break
+            step = 1
+            continue
+        end, mb, step = new_end, mb_new, step * 2
+    return end
+
+
 class _Space:
     """Exact normalized distances between packed trajectories, with candidate pruning (module docstring)."""
 
@@ -346,8 +367,7 @@ class _Space:
         a, b, la, lb = a[order], b[order], la[order], lb[order]
         start = 0
         while start < len(a):
-            cells = int(la[start] + 1) * int(lb[start] + 1)
-            end = min(len(a), start + max(1, DP_CELLS_PER_BATCH // (2 * cells)))
+            end = _batch_end(la, lb, start, DP_CELLS_PER_BATCH // 2)
             sa, sb = a[start:end], b[start:end]
             ma, mb = int(la[start:end].max()), int(lb[start:end].max())
             d, _ = _edit_rows(

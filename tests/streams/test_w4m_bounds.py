@@ -82,3 +82,22 @@ def test_geolife_shaped_input_is_refused_quickly_with_the_reason() -> None:
     assert not release.ok and rep["n_trash"] > rep["trash_limit"]
     assert rep["trash_reasons"]["class_smaller_than_k"] > 900
     assert rep["runtime_s"] < 15.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 400)), min_size=1, max_size=200), st.integers(1, 200_000))
+def test_prefetch_batches_bound_their_padded_cells(pairs: list[tuple[int, int]], budget: int) -> None:
+    """Batches cover every pair once and, unless a single pair, pad to at most ``budget`` cells."""
+    from kcloak.streams.kdelta.w4m import _batch_end
+
+    arr = np.array(pairs, dtype=np.int64)
+    arr = arr[np.lexsort((arr[:, 1], arr[:, 0]))]
+    la, lb = arr[:, 0], arr[:, 1]
+    start = 0
+    while start < len(la):
+        end = _batch_end(la, lb, start, budget)
+        assert end > start
+        padded = (end - start) * (int(la[start:end].max()) + 1) * (int(lb[start:end].max()) + 1)
+        assert end - start == 1 or padded <= budget
+        start = end
+    assert start == len(la)
