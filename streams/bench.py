@@ -155,6 +155,13 @@ def run_in_process(spec: RunSpec) -> dict[str, Any]:
         mean_translation_m=rep["mean_translation_m"] if release.ok else None,
         time_distortion_s=rep["time_distortion_s"] if release.ok else None,
         range_query_distortion=rep["range_query_distortion"] if release.ok else None,
+        range_query_distortion_dai=rep["range_query_distortion_dai"] if release.ok else None,
+        translation_median_m=rep["translation_m"]["median"] if release.ok else None,
+        translation_p95_m=rep["translation_m"]["p95"] if release.ok else None,
+        translation_max_m=rep["translation_m"]["max"] if release.ok else None,
+        time_shift_p95_s=rep["time_shift_s"]["p95"] if release.ok else None,
+        time_shift_max_s=rep["time_shift_s"]["max"] if release.ok else None,
+        trash_reasons=rep["trash_reasons"],
         n_out=rep["n_out"],
         n_groups=rep["n_groups"],
         total_s=time.perf_counter() - started,
@@ -243,13 +250,19 @@ class AnonymizeBenchConfig:
     trash_max: float = 0.1
     memory_limit_mb: float | None = 8192.0
     pi_s: float = 60.0
+    ks: tuple[int, ...] = ()
+    deltas: tuple[float, ...] = ()
 
     def specs(self) -> list[RunSpec]:
-        """The runs, size by size, each size with every method."""
+        """The runs, size by size, each size with every method (and every (k, δ) of a trade-off sweep)."""
+        ks = self.ks or (self.k,)
+        deltas = self.deltas or (self.delta,)
         return [
-            RunSpec(m, n, self.points, self.k, self.delta, self.seed, self.trash_max, self.memory_limit_mb, self.pi_s)
+            RunSpec(m, n, self.points, k, d, self.seed, self.trash_max, self.memory_limit_mb, self.pi_s)
             for n in self.sizes
             for m in self.methods
+            for k in ks
+            for d in deltas
         ]
 
 
@@ -259,9 +272,9 @@ def validate(config: AnonymizeBenchConfig, known_methods: Sequence[str]) -> None
         raise BenchError("sizes: give at least one size ≥ 1")
     if config.points < 2:
         raise BenchError("points: must be at least 2")
-    if config.k < 2:
+    if config.k < 2 or any(k < 2 for k in config.ks):
         raise BenchError("k: must be an integer ≥ 2")
-    if not (math.isfinite(config.delta) and config.delta >= 0):
+    if not all(math.isfinite(d) and d >= 0 for d in (config.delta, *config.deltas)):
         raise BenchError("delta: must be a finite number of metres ≥ 0")
     if not config.methods:
         raise BenchError("methods: name at least one method")
@@ -292,6 +305,58 @@ def run_anonymize_bench(
     return rows
 
 
+# -- the (k, δ) trade-off -----------------------------------------------------------------------
+TRADEOFF_MEASURES = (
+    ("range_query_distortion", "range-query distortion (PSI)", ".3f"),
+    ("mean_translation_m", "mean translation (m)", ",.0f"),
+    ("trash_fraction", "trash fraction", ".1%"),
+)
+"""Measures of the trade-off table and picture: row key, label, format."""
+
+
+def tradeoff_grid(
+    rows: Sequence[dict[str, Any]], measure: str, *, failed_too: bool = False
+) -> dict[tuple[str, int], dict[tuple[int, float], Any]]:
+    """``{(method, n): {(k, δ): value}}`` of one measure over the rows (``None`` where the run did not
+    publish, unless ``failed_too`` keeps the value of a refused run, e.g. its trash fraction)."""
+    grid: dict[tuple[str, int], dict[tuple[int, float], Any]] = {}
+    for r in rows:
+        cell = grid.setdefault((str(r["method"]), int(r["n_trajectories"])), {})
+        keep = r.get("status") == "ok" or (failed_too and r.get("status") == "failed")
+        cell[(int(r["k"]), float(r["delta"]))] = r.get(measure) if keep else None
+    return grid
+
+
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """The (k, δ) trade-off as a picture (PNG/SVG/PDF by suffix): one panel per measure, range-query
+    distortion, mean translation and trash against δ, one line per (method, k). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, len(TRADEOFF_MEASURES), figsize=(5.0 * len(TRADEOFF_MEASURES), 4.2))
+    series = sorted({(str(r["method"]), int(r["n_trajectories"]), int(r["k"])) for r in rows})
+    colour = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(series)}
+    for ax, (measure, label, _) in zip(axes, TRADEOFF_MEASURES, strict=True):
+        grid = tradeoff_grid(rows, measure, failed_too=measure == "trash_fraction")
+        for method, n, k in series:
+            cells = grid.get((method, n), {})
+            pts = sorted((d, v) for (kk, d), v in cells.items() if kk == k and v is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour[(method, n, k)])
+        ax.set_xlabel("δ (m)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=colour[s], marker="o") for s in series]
+    fig.legend(handles, [f"{m} n={n} k={k}" for m, n, k in series], loc="lower center", ncol=min(6, len(series)))
+    fig.suptitle("bench anonymize — (k, δ) trade-off (a missing point is a refused run; its trash is on the right)")
+    fig.tight_layout(rect=(0.0, 0.12, 1.0, 1.0))
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _worker(argv: Sequence[str]) -> int:
     """``python -m kcloak.streams.bench SPEC_JSON``: one run, its row as one JSON line on stdout."""
     spec = RunSpec(**json.loads(argv[0]))
@@ -301,13 +366,16 @@ def _worker(argv: Sequence[str]) -> int:
 
 __all__ = [
     "STATUSES",
+    "TRADEOFF_MEASURES",
     "AnonymizeBenchConfig",
     "BenchError",
     "RunSpec",
+    "plot_tradeoff",
     "run_anonymize_bench",
     "run_in_process",
     "run_in_subprocess",
     "synthetic_fixes",
+    "tradeoff_grid",
     "validate",
 ]
 

@@ -10,16 +10,19 @@ from __future__ import annotations
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from kcloak.core.geometry import haversine_m_array
 from kcloak.core.names import KDeltaMethod, values
 from kcloak.core.readers import FixTable
-from kcloak.streams.kdelta import KDeltaError, KDeltaResult
-from kcloak.streams.quality import RANGE_QUERIES, range_query_distortion, translation_m
+from kcloak.streams.kdelta import KDeltaError, KDeltaResult, SmallClass
+from kcloak.streams.quality import RANGE_QUERIES, range_query_distortions, translation_m
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 METHODS: tuple[str, ...] = values(KDeltaMethod)
@@ -63,6 +66,25 @@ def publish_rows(
     return table, mapping
 
 
+def distribution(values: npt.ArrayLike) -> dict[str, float]:
+    """Median, 95th percentile and maximum of per-point values (zeros when there are none)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) == 0:
+        return {"median": 0.0, "p95": 0.0, "max": 0.0}
+    return {"median": float(np.median(v)), "p95": float(np.percentile(v, 95)), "max": float(v.max())}
+
+
+def _range_fields(before: FixTable, after: FixTable, n: int, seed: int, uncertainty_m: float) -> dict[str, float]:
+    """``range_query_distortion`` (PSI, docs/quality.md) with its DAI companion and the changed fraction."""
+    d = range_query_distortions(before, after, n_queries=n, seed=seed, uncertainty_m=uncertainty_m)
+    return {
+        "range_query_distortion": d["psi"],
+        "range_query_distortion_dai": d["dai"],
+        "range_query_changed_fraction": d["changed_fraction"],
+        "range_query_uncertainty_m": uncertainty_m,
+    }
+
+
 def anonymization_report(
     result: KDeltaResult,
     inputs: Sequence[Trajectory],
@@ -87,6 +109,16 @@ def anonymization_report(
     n_points_out = len(published)
     sizes = [len(g) for g in result.groups]
     n_in = len(inputs)
+    per_point = (
+        np.concatenate(
+            [
+                haversine_m_array(o.lat, o.lon, p.lat, p.lon)
+                for o, p in zip(result.originals, result.published, strict=True)
+            ]
+        )
+        if result.published
+        else np.zeros(0)
+    )
     report: dict[str, Any] = {
         "seed": seed,
         "method": method,
@@ -102,14 +134,18 @@ def anonymization_report(
         "n_points_in": sum(len(tr) for tr in inputs),
         "n_points_out": n_points_out,
         "trash_fraction": len(result.trash) / n_in if n_in else 0.0,
+        "trash_limit": int(result.trash_limit),
+        "trash_reasons": result.trash_by_reason(),
+        # sizes only: the spans of classes below k would tell when a suppressed user moved
+        "small_class_sizes": {str(n): c for n, c in sorted(Counter(c.n for c in result.small_classes).items())},
         "n_groups": len(sizes),
         "group_size_mean": float(np.mean(sizes)) if sizes else 0.0,
         "total_translation_m": total,
         "mean_translation_m": total / n_points_out if n_points_out else 0.0,
         "time_distortion_s": float(shift_all.sum()),
-        "range_query_distortion": range_query_distortion(
-            fixes_of(inputs), published, n_queries=range_queries, seed=0 if seed is None else seed
-        ),
+        "translation_m": distribution(per_point),
+        "time_shift_s": distribution(shift_all),
+        **_range_fields(fixes_of(inputs), published, range_queries, 0 if seed is None else seed, delta_m / 2.0),
         "range_queries": range_queries,
         "runtime_s": runtime_s,
     }
@@ -120,6 +156,85 @@ def anonymization_report(
     return report
 
 
+def refusal_reason(report: dict[str, Any]) -> str:
+    """Why a window cannot be published, from its report alone: counts per trash reason, the classes
+    too small for ``k`` and the method or parameter that would place them (issue 16). No coordinate,
+    id or instant appears in the text (it may be logged)."""
+    n_in, n_trash, k = int(report["n_in"]), int(report["n_trash"]), int(report["k"])
+    limit = int(report.get("trash_limit", 0))
+    if n_in < k:
+        return f"only {n_in} trajectories for k={k}"
+    parts = [f"trash {n_trash} of {n_in} > {limit} allowed (trash_max {float(report['trash_max']):g})"]
+    reasons: dict[str, int] = report.get("trash_reasons", {})
+    small_words = "time-connected groups" if report.get("method") == "w4m" else "time-span classes"
+    words = {
+        "span_shorter_than_pi": "spans shorter than pi_s",
+        "class_smaller_than_k": f"in {small_words} smaller than k={k}",
+        "beyond_radius": "beyond the clustering radius",
+        "no_match_within_bounds": "with no k-1 others within the time-shift bound and radius",
+    }
+    for name, n in reasons.items():
+        parts.append(f"{n} {words.get(name, name)}")
+    sizes: dict[str, int] = report.get("small_class_sizes", {})
+    if sizes:
+        shown = ", ".join(f"{cnt} of size {size}" for size, cnt in sorted(sizes.items(), key=lambda kv: int(kv[0])))
+        parts.append(f"{sum(sizes.values())} {small_words} too small ({shown})")
+    hint = ""
+    method = report.get("method")
+    unavoidable = int(reasons.get("class_smaller_than_k", 0)) + int(reasons.get("span_shorter_than_pi", 0))
+    if method == "nwa" and unavoidable:
+        hint = "; --method w4m and --method microagg accept unequal time spans, a larger --pi-s merges classes"
+    elif method == "nwa" or method == "microagg":
+        hint = "; --method w4m tolerates unequal spans and sampling"
+    elif method == "w4m":
+        hint = "; a larger --delta, --max-radius or --max-time-shift-s, or a smaller --k, would group more"
+    return "; ".join(parts) + hint
+
+
+def small_class_lines(small: Sequence[SmallClass], *, limit: int = 8) -> list[str]:
+    """The largest small classes as ``span (UTC) — n trajectories``, at most ``limit`` lines (then a count)."""
+    from datetime import UTC, datetime
+
+    def at(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    ordered = sorted(small, key=lambda c: (-c.n, c.t_start, c.t_end))
+    lines = [f"{at(c.t_start)} .. {at(c.t_end)} UTC: {c.n}" for c in ordered[:limit]]
+    if len(ordered) > limit:
+        lines.append(f"… and {len(ordered) - limit} more")
+    return lines
+
+
+def other_methods(fixes: FixTable, refused: dict[str, Any], **params: Any) -> list[str]:
+    """For a refused release: one line per other method saying whether it would publish the same input
+    with the same ``k``, δ and ``trash_max`` (issue 16: "say which method would publish it")."""
+    lines: list[str] = []
+    for method in METHODS:
+        if method == refused["method"]:
+            continue
+        rel = anonymize(
+            fixes,
+            method=method,
+            k=int(refused["k"]),
+            delta_m=float(refused["delta"]),
+            trash_max=float(refused["trash_max"]),
+            range_queries=0,
+            seed=0,
+            **params,
+        )
+        rep = rel.report
+        if rel.ok:
+            lines.append(
+                f"--method {method} would publish {rep['n_out']} of {rep['n_in']} (trash {rep['n_trash']}, "
+                f"translation median {rep['translation_m']['median']:.0f} m, max {rep['translation_m']['max']:.0f} m)"
+            )
+        else:
+            lines.append(
+                f"--method {method} would not publish it either (trash {rep['n_trash']} > {rep['trash_limit']})"
+            )
+    return lines
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Release:
     """A trajectory release: ``table`` to publish (empty when not ``ok``), audit ``mapping``, ``report``."""
@@ -128,6 +243,9 @@ class Release:
     table: FixTable
     mapping: dict[str, str]
     report: dict[str, Any]
+    small_classes: tuple[SmallClass, ...] = ()
+    """The classes (NWA) or time-connected groups (W4M) smaller than k, with their spans: for the operator's
+    console only (the report carries their sizes, not their spans)."""
 
 
 def anonymize(
@@ -142,17 +260,31 @@ def anonymize(
     range_queries: int = RANGE_QUERIES,
     tau_s: float | None = None,
     distance: str = "edr",
+    max_time_shift_s: float | None = None,
+    max_radius: float | None = None,
 ) -> Release:
     """Read-to-release pipeline of ``kcloak anonymize`` (contract §7): model, algorithm, randomization, report.
 
     ``ok`` is false (and ``table`` empty) when fewer than k trajectories are eligible or the trash would
     exceed ``trash_max``: the caller then exits 1 / publishes the window empty. ``tau_s`` (time tolerance,
-    default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`) and ``distance`` (``edr`` or ``lst``) apply to W4M only.
+    default :data:`~kcloak.streams.kdelta.w4m.DEFAULT_TAU_S`), ``distance`` (``edr`` or ``lst``) and
+    ``max_time_shift_s`` (default an hour) apply to W4M only; ``max_radius`` is the clustering radius of
+    NWA (root-mean-square metres per instant, default unbounded) or W4M (normalized, default 0.9),
+    beyond which a trajectory is trash.
     """
     started = time.perf_counter()
     inputs, n_too_short = split_too_short(trajectories_from_fixes(fixes))
     result = run_kdelta(
-        inputs, method=method, k=k, delta_m=delta_m, trash_max=trash_max, pi_s=pi_s, tau_s=tau_s, distance=distance
+        inputs,
+        method=method,
+        k=k,
+        delta_m=delta_m,
+        trash_max=trash_max,
+        pi_s=pi_s,
+        tau_s=tau_s,
+        distance=distance,
+        max_time_shift_s=max_time_shift_s,
+        max_radius=max_radius,
     )
     return release_of(
         result,
@@ -180,19 +312,31 @@ def run_kdelta(
     pi_s: float,
     tau_s: float | None = None,
     distance: str = "edr",
+    max_time_shift_s: float | None = None,
+    max_radius: float | None = None,
 ) -> KDeltaResult:
     """Run the (k,δ) algorithm ``method`` on trajectories of ≥ 2 instants (the algorithm step of :func:`anonymize`)."""
     from kcloak.streams.kdelta.microagg import microaggregate
     from kcloak.streams.kdelta.nwa import nwa
-    from kcloak.streams.kdelta.w4m import DEFAULT_TAU_S, Distance, w4m
+    from kcloak.streams.kdelta.w4m import DEFAULT_MAX_TIME_SHIFT_S, DEFAULT_TAU_S, Distance, w4m
 
     if method == "nwa":
-        return nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max)
+        return nwa(inputs, k=k, delta_m=delta_m, pi_s=pi_s, trash_max=trash_max, max_rms_m=max_radius)
     if method == "w4m":
         if distance not in tuple(Distance):
             raise KDeltaError(f"distance: must be one of {', '.join(Distance)}")
         tau = DEFAULT_TAU_S if tau_s is None else tau_s
-        return w4m(inputs, k=k, delta_m=delta_m, trash_max=trash_max, tau_s=tau, distance=distance)
+        shift = DEFAULT_MAX_TIME_SHIFT_S if max_time_shift_s is None else max_time_shift_s
+        return w4m(
+            inputs,
+            k=k,
+            delta_m=delta_m,
+            trash_max=trash_max,
+            tau_s=tau,
+            distance=distance,
+            max_time_shift_s=shift,
+            max_radius=max_radius,
+        )
     if method == "microagg":
         return microaggregate(inputs, k=k, delta_m=delta_m, trash_max=trash_max)
     raise ValueError(f"method: must be one of {', '.join(METHODS)}")
@@ -222,7 +366,9 @@ def release_of(
         table, mapping = publish_rows(result.published, seed=seed, avoid=[tr.traj_id for tr in inputs])
     else:
         table, mapping = fixes_of([]), {}
-        result = KDeltaResult((), (), (), result.trash, result.n_in, result.trash_limit)
+        result = KDeltaResult(
+            (), (), (), result.trash, result.n_in, result.trash_limit, result.trash_reasons, result.small_classes
+        )
     runtime_s = time.perf_counter() - started
     report = anonymization_report(
         result,
@@ -239,7 +385,7 @@ def release_of(
         seed=seed,
         range_queries=range_queries,
     )
-    return Release(ok, table, mapping, report)
+    return Release(ok, table, mapping, report, result.small_classes)
 
 
 __all__ = [
@@ -248,7 +394,9 @@ __all__ = [
     "anonymization_report",
     "anonymize",
     "fresh_ids",
+    "other_methods",
     "publish_rows",
+    "refusal_reason",
     "release_of",
     "run_kdelta",
 ]

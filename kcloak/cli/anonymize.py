@@ -21,6 +21,10 @@ CONTRACT_METHODS = values(KDeltaMethod)
 # it against kcloak.streams.kdelta.w4m.DEFAULT_TAU_S. The algorithms are imported when the command runs.
 FORMATS: tuple[str, ...] = values(InputFormat)
 DEFAULT_TAU_S = 60.0
+DEFAULT_MAX_TIME_SHIFT_S = 3600.0
+DEFAULT_W4M_MAX_RADIUS = 0.9
+OUTLIER_DELTAS = 10
+"""A published point moved by more than this many δ is worth a warning (outliers joined a group)."""
 DISTANCES: tuple[str, ...] = values(TrajectoryDistance)
 
 
@@ -49,6 +53,29 @@ def add_parser(sub: SubParsers) -> None:
         "--tau-s", type=float, default=None, metavar="S", help=f"w4m: time tolerance of a match ({DEFAULT_TAU_S:g} s)"
     )
     p.add_argument("--distance", choices=DISTANCES, default="edr", help="w4m: edit distance (edr)")
+    p.add_argument(
+        "--max-time-shift-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"w4m: largest time shift of a published point ({DEFAULT_MAX_TIME_SHIFT_S:g} s = an hour)",
+    )
+    p.add_argument(
+        "--max-radius",
+        type=float,
+        default=None,
+        metavar="R",
+        help=(
+            "clustering radius beyond which a trajectory is trash: w4m, normalized edit distance in [0, 1] "
+            f"({DEFAULT_W4M_MAX_RADIUS:g}); nwa, root-mean-square metres per instant from the pivot (unbounded)"
+        ),
+    )
+    p.add_argument("--pi-s", type=float, default=60.0, metavar="S", help="nwa: time granularity of the classes (60)")
+    p.add_argument(
+        "--no-suggest",
+        action="store_true",
+        help="when refused, do not try the other methods on the same input to say which would publish it",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
 
@@ -58,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kcloak.core.readers import ReaderError, read_fixes, write_contract_csv
     from kcloak.streams.kdelta import KDeltaError
-    from kcloak.streams.publish import METHODS, anonymize
+    from kcloak.streams.publish import METHODS, anonymize, other_methods, refusal_reason, small_class_lines
 
     if args.method not in CONTRACT_METHODS:
         raise UsageError(f"--method: must be one of {', '.join(CONTRACT_METHODS)}")
@@ -66,6 +93,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--method {args.method}: not available in this version")
     if args.tau_s is not None and not (math.isfinite(args.tau_s) and args.tau_s >= 0):
         raise UsageError("--tau-s: must be a finite number of seconds ≥ 0")
+    if args.max_time_shift_s is not None and not (math.isfinite(args.max_time_shift_s) and args.max_time_shift_s >= 0):
+        raise UsageError("--max-time-shift-s: must be a finite number of seconds ≥ 0")
+    if args.max_radius is not None and not (math.isfinite(args.max_radius) and args.max_radius >= 0):
+        raise UsageError("--max-radius: must be a finite number ≥ 0")
+    if args.method == "w4m" and args.max_radius is not None and args.max_radius > 1:
+        raise UsageError("--max-radius: w4m's radius is a normalized distance within [0, 1]")
+    if not (math.isfinite(args.pi_s) and args.pi_s > 0):
+        raise UsageError("--pi-s: must be a finite number of seconds > 0")
     if args.k < 2:
         raise UsageError("--k: must be an integer ≥ 2")
     if not math.isfinite(args.delta) or args.delta < 0:
@@ -98,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 tau_s=args.tau_s,
                 distance=args.distance,
+                pi_s=args.pi_s,
+                max_time_shift_s=args.max_time_shift_s,
+                max_radius=args.max_radius,
             )
         except KDeltaError as exc:
             raise UsageError(str(exc)) from None
@@ -113,9 +151,16 @@ def run(args: argparse.Namespace) -> int:
         Path(args.report).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if not release.ok:
         err.print(
-            f"[red]not published[/red]: {report['n_in']} trajectories, trash {report['n_trash']} "
-            f"(at most {args.trash_max:g} of them may be trashed); nothing written"
+            f"[red]not published[/red]: {refusal_reason(report)}; nothing written", highlight=False, soft_wrap=True
         )
+        if release.small_classes:
+            err.print("  too small for k (span, trajectories):", highlight=False)
+            for line in small_class_lines(release.small_classes):
+                err.print(f"    {line}", highlight=False, soft_wrap=True)
+        if not args.no_suggest and report["n_in"] >= args.k:
+            with phase("trying the other methods on the same input"):
+                for line in other_methods(fixes, report, pi_s=args.pi_s, tau_s=args.tau_s, distance=args.distance):
+                    err.print(f"  {line}", highlight=False, soft_wrap=True)
         return 1
     write_contract_csv(args.output, release.table)
     if args.mapping:
@@ -123,9 +168,25 @@ def run(args: argparse.Namespace) -> int:
             w = csv.writer(fh)
             w.writerow(["published_id", "traj_id"])
             w.writerows(sorted(release.mapping.items()))
+    tr, ts = report["translation_m"], report["time_shift_s"]
+    if args.delta > 0 and tr["max"] > OUTLIER_DELTAS * args.delta:
+        err.print(
+            f"[yellow]warning[/yellow]: some published points moved more than {OUTLIER_DELTAS}×delta "
+            f"(largest {tr['max']:,.0f} m)"
+            + (
+                "; --max-radius trashes trajectories beyond the clustering radius instead"
+                if args.method in ("nwa", "w4m")
+                else "; microaggregation has no radius: --method nwa or w4m with --max-radius bounds it"
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
     err.print(
         f"published {report['n_out']} of {report['n_in']} trajectories in {report['n_groups']} groups "
-        f"(trash {report['n_trash']}, mean translation {report['mean_translation_m']:.1f} m) "
-        f"in {time.perf_counter() - started:.1f} s"
+        f"(trash {report['n_trash']}, mean translation {report['mean_translation_m']:.1f} m; translation "
+        f"median/p95/max {tr['median']:.0f}/{tr['p95']:.0f}/{tr['max']:.0f} m, time shift "
+        f"{ts['median']:.0f}/{ts['p95']:.0f}/{ts['max']:.0f} s) in {time.perf_counter() - started:.1f} s",
+        highlight=False,
+        soft_wrap=True,
     )
     return 0

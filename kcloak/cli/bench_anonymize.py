@@ -38,6 +38,15 @@ def add_parser(bench: SubParsers) -> None:
     p.add_argument(
         "--memory-limit-mb", type=float, default=8192.0, metavar="MB", help="address-space limit per run (8192)"
     )
+    p.add_argument(
+        "--ks", default=None, metavar="K,K", help="(k, δ) trade-off: sweep these k (with --deltas or --delta)"
+    )
+    p.add_argument(
+        "--deltas", default=None, metavar="M,M", help="(k, δ) trade-off: sweep these δ in metres (with --ks or --k)"
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw the (k, δ) trade-off here (matplotlib; .png/.svg/.pdf)"
+    )
     p.add_argument("--trash-max", type=float, default=0.1, metavar="F", help="largest trashed fraction (0.1)")
     p.add_argument("--pi-s", type=float, default=60.0, metavar="S", help="nwa: time granularity pi_s (60)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic data (0)")
@@ -51,6 +60,16 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers") from None
+    if not values:
+        raise UsageError(f"{flag}: give at least one value")
+    return values
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated numbers") from None
     if not values:
         raise UsageError(f"{flag}: give at least one value")
     return values
@@ -80,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
         trash_max=args.trash_max,
         memory_limit_mb=args.memory_limit_mb,
         pi_s=args.pi_s,
+        ks=_ints(args.ks, "--ks") if args.ks else (),
+        deltas=_floats(args.deltas, "--deltas") if args.deltas else (),
     )
     try:
         validate(config, METHODS)
@@ -102,11 +123,57 @@ def run(args: argparse.Namespace) -> int:
             rows = run_anonymize_bench(config, on_row=lambda _row: bar.advance(task))
     else:
         rows = run_anonymize_bench(config)
+    sweep = bool(config.ks or config.deltas)
     if args.json:
         sys.stdout.write(json.dumps({"bench": "anonymize", "results": rows}) + "\n")
     else:
         print_table(rows)
+        if sweep:
+            print_tradeoff(rows)
+    if args.plot:
+        try:
+            from kcloak.streams.bench import plot_tradeoff
+
+            plot_tradeoff(rows, args.plot)
+        except ImportError:
+            print("--plot: matplotlib is not installed (pip install matplotlib); table only", file=sys.stderr)
+        else:
+            print(f"trade-off picture: {args.plot}", file=sys.stderr)
     return 0 if any(r["status"] in ("ok", "failed") for r in rows) else 1
+
+
+def print_tradeoff(rows: list[dict[str, Any]]) -> None:
+    """Per method and size, one small table: k down, δ across; each cell the range-query distortion (PSI),
+    the mean translation and the trash fraction, or the trash of a refused run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kcloak.streams.bench import tradeoff_grid
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    rqd = tradeoff_grid(rows, "range_query_distortion")
+    moved = tradeoff_grid(rows, "mean_translation_m")
+    trash = tradeoff_grid(rows, "trash_fraction", failed_too=True)
+    for key in sorted(rqd):
+        ks = sorted({k for k, _ in rqd[key]})
+        deltas = sorted({d for _, d in rqd[key]})
+        table = Table(
+            title=f"(k, δ) trade-off — {key[0]}, n={key[1]}: range-query distortion · mean translation · trash",
+            title_justify="left",
+        )
+        table.add_column("k \\ δ (m)", justify="right")
+        for d in deltas:
+            table.add_column(format(d, "g"), justify="right")
+        for k in ks:
+            cells: list[str] = []
+            for d in deltas:
+                q, m, t = rqd[key].get((k, d)), moved[key].get((k, d)), trash[key].get((k, d))
+                if q is None:
+                    cells.append("refused" + ("" if t is None else f" (trash {t:.0%})"))
+                else:
+                    cells.append(f"{q:.3f} · {m:,.0f} m · {t:.0%}")
+            table.add_row(str(k), *cells)
+        console.print(table)
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -132,6 +199,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "transl. m",
         "time dist. s",
         "range dist.",
+        "transl. p95",
+        "transl. max",
+        "shift max s",
     ):
         table.add_column(name, justify="left" if name in ("method", "status") else "right")
     for r in rows:
@@ -148,6 +218,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             _fmt(r["mean_translation_m"], ",.1f"),
             _fmt(r["time_distortion_s"], ",.0f"),
             _fmt(r["range_query_distortion"], ".3f"),
+            _fmt(r.get("translation_p95_m"), ",.0f"),
+            _fmt(r.get("translation_max_m"), ",.0f"),
+            _fmt(r.get("time_shift_max_s"), ",.0f"),
         )
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     for r in rows:

@@ -17,7 +17,6 @@ were cut from) and divides by the target utilisation.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -178,6 +177,8 @@ class Deployment:
         return [p.pid for role, p in self.procs if role.startswith(prefix)]
 
     def start(self, log: Callable[[str], None]) -> None:
+        import asyncio  # here, not at the top: kcloak --help must not import it
+
         from kcloak.broker.cluster.natsconf import local_nodes, nats_server_binary, write_cluster_configs
         from kcloak.cli._cluster_up import nats_ready, serve_argv
         from kcloak.wire.net import free_ports
@@ -225,6 +226,8 @@ class Deployment:
         log(f"W={self.workers}: {self.workers} kcloak serve --cluster processes up")
 
     async def _ensure_layout(self) -> None:
+        import asyncio  # here, not at the top: kcloak --help must not import it
+
         from kcloak.broker.cluster.topology import Layout, connect_nats, ensure_layout
 
         nc = await connect_nats(self.urls)
@@ -373,6 +376,8 @@ def _cpu(pids: list[int]) -> float:
 def _drive(
     args: argparse.Namespace, dep: Deployment, population: Population, log: Callable[[str], None]
 ) -> dict[str, Any]:
+    import asyncio  # here, not at the top: kcloak --help must not import it
+
     kc, nats_pids, lbs = dep.pids("worker"), dep.pids("nats"), dep.pids("lbs")
     w = len(kc)
     time.sleep(2.0)  # the workers' first pulls (rendezvous spread up to 2 s)

@@ -212,7 +212,16 @@ def run(args: argparse.Namespace) -> int:
         f"(k={rep['k']}, k achieved {rep['k_achieved']}, suppressed {rep['suppressed_rows']}, "
         f"bad input rows {table.n_bad_rows}) in {rep['runtime_s']:.2f} s"
     )
+    if rep.get("l") is not None and rep.get("l_achieved") is not None:
+        _say(l_verdict(rep["l_kind"], int(rep["l"]), float(rep["l_achieved"])))
     return 0
+
+
+def l_verdict(l_kind: str, l_required: int, l_reached: float) -> str:
+    """One line: the ℓ required, the ℓ every class reaches (an integer printed as one) and the verdict."""
+    shown = f"{l_reached:.0f}" if float(l_reached).is_integer() else f"{l_reached:.3f}"
+    verdict = "met" if l_reached >= l_required else "NOT met"
+    return f"{l_kind} l-diversity: required {l_required}, every class reaches {shown}: {verdict}"
 
 
 def _temp_name(path: Path) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +42,39 @@ class KDeltaResult:
     trash: tuple[str, ...]
     n_in: int
     trash_limit: int
+    trash_reasons: tuple[tuple[TrashReason, int], ...] = ()
+    small_classes: tuple[SmallClass, ...] = ()
 
     @property
     def ok(self) -> bool:
         """Whether the trash stays within ``trash_max`` (contract §7); otherwise the release fails."""
         return len(self.trash) <= self.trash_limit
+
+    def trash_by_reason(self) -> dict[str, int]:
+        """Trashed trajectories per :class:`TrashReason` (only the reasons that occurred)."""
+        return {str(r): n for r, n in self.trash_reasons if n}
+
+
+class TrashReason(StrEnum):
+    """Why a trajectory went to the trash (report ``trash_reasons``; CONCEPTS §7.3, §7.4)."""
+
+    SPAN_SHORTER_THAN_PI = "span_shorter_than_pi"
+    """NWA: the span trimmed to multiples of π is empty."""
+    CLASS_SMALLER_THAN_K = "class_smaller_than_k"
+    """NWA: fewer than k trajectories share its trimmed time span (W4M: its time-connected group)."""
+    BEYOND_RADIUS = "beyond_radius"
+    """No k−1 others within the clustering radius (and no cluster to join)."""
+    NO_MATCH_WITHIN_BOUNDS = "no_match_within_bounds"
+    """W4M: no k−1 others it can be aligned with within the time-shift bound and the radius."""
+
+
+@dataclass(frozen=True, slots=True)
+class SmallClass:
+    """A group of trajectories too small to publish: its time span (Unix s) and its size (< k)."""
+
+    t_start: float
+    t_end: float
+    n: int
 
 
 def check_params(k: int, delta_m: float, trash_max: float) -> None:
@@ -92,6 +121,8 @@ def arc_m(u: F64, v: F64) -> F64:
 __all__ = [
     "KDeltaError",
     "KDeltaResult",
+    "SmallClass",
+    "TrashReason",
     "angle_between",
     "arc_m",
     "check_params",

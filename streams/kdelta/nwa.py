@@ -23,6 +23,8 @@ from scipy.spatial import cKDTree
 from kcloak.core.geometry import EARTH_RADIUS_M, Aeqd
 from kcloak.streams.kdelta import (
     KDeltaResult,
+    SmallClass,
+    TrashReason,
     angle_between,
     check_params,
     from_unit,
@@ -365,13 +367,24 @@ def nwa(
     step_s: float | None = None,
     trash_max: float = 0.1,
     max_radius: float | None = None,
+    max_rms_m: float | None = None,
 ) -> KDeltaResult:
     """Anonymize ``trajectories`` (each ≥ 2 instants) into (k,δ)-anonymity sets with NWA (CONCEPTS §7.3).
 
     ``pi_s`` is the time granularity of the classes, ``step_s`` the resampling period (default
-    ``pi_s``), ``max_radius`` the clustering radius in RSS metres (default: :func:`choose_radius` per
-    class with a budget of ``floor(trash_max · |class|)``). Published members of a cluster lie at every
-    instant within ``δ/2`` (haversine) of a common centre, hence pairwise within ``δ``.
+    ``pi_s``), ``max_radius`` the clustering radius in RSS metres (default ∞: no outlier trash);
+    ``max_rms_m`` states it per instant instead (root-mean-square metres, ``× √m`` for a class of
+    ``m`` instants; the smaller of the two applies).
+    Published members of a cluster lie at every instant within ``δ/2`` (haversine) of a common centre,
+    hence pairwise within ``δ``.
+
+    Trash accounting (issue 16): ``trash_max`` bounds the trash over the whole input
+    (``floor(trash_max · n_in)``); it is a limit, never a budget to spend. The trash is what the input
+    forces — spans shorter than π, classes smaller than ``k`` — plus, within a class, only the
+    trajectories the clustering cannot place within ``max_radius``. So the same input gives the same
+    trash at any ``trash_max`` and raising the bound never raises the trash; the bound only decides
+    whether the result may be published (:attr:`KDeltaResult.ok`). ``small_classes`` lists the classes
+    smaller than ``k`` so that a refusal can say why.
     """
     check_params(k, delta_m, trash_max)
     if not (math.isfinite(pi_s) and pi_s > 0):
@@ -381,12 +394,20 @@ def nwa(
         raise ValueError("step_s: must be a finite number > 0 (seconds)")
     radius_pub = max(0.0, delta_m / 2.0 * (1.0 - 1e-9) - DELTA_MARGIN_M)
 
+    if max_radius is not None and not max_radius >= 0:
+        raise ValueError("max_radius: must be ≥ 0 (RSS metres)")
+    if max_rms_m is not None and not max_rms_m >= 0:
+        raise ValueError("max_rms_m: must be ≥ 0 (metres)")
+    radius = math.inf if max_radius is None else float(max_radius)
     trash: list[str] = []
+    n_short = n_small = n_outliers = 0
+    small: list[SmallClass] = []
     classes: dict[tuple[float, float], list[Trajectory]] = defaultdict(list)
     for tr in trajectories:
         a, b = trimmed_span(tr.t_start, tr.t_end, pi_s)
         if a >= b:
             trash.append(tr.traj_id)
+            n_short += 1
         else:
             classes[(a, b)].append(tr)
 
@@ -396,6 +417,8 @@ def nwa(
     for (a, b), members in sorted(classes.items()):
         if len(members) < k:
             trash.extend(tr.traj_id for tr in members)
+            n_small += len(members)
+            small.append(SmallClass(float(a), float(b), len(members)))
             continue
         times = sample_instants(a, b, step)
         m = len(times)
@@ -405,11 +428,10 @@ def nwa(
             lat[i], lon[i] = tr.at(times)
         x, y = _class_frame(lat, lon).forward(lat, lon)
         X = np.stack([x, y], axis=-1).reshape(len(members), 2 * m)
-        if max_radius is None:
-            _, clusters, left = _search_radius(X, m, k, trash_limit(len(members), trash_max))
-        else:
-            clusters, left = greedy_clusters(X, m, k, max_radius)
+        r_class = radius if max_rms_m is None else min(radius, max_rms_m * math.sqrt(m))
+        clusters, left = greedy_clusters(X, m, k, r_class)
         trash.extend(members[i].traj_id for i in left.tolist())
+        n_outliers += len(left)
         for rows in clusters:
             new_lat, new_lon, _ = space_translate(lat[rows], lon[rows], radius_pub)
             start = len(published)
@@ -426,6 +448,12 @@ def nwa(
         trash=tuple(trash),
         n_in=n_in,
         trash_limit=trash_limit(n_in, trash_max),
+        trash_reasons=(
+            (TrashReason.SPAN_SHORTER_THAN_PI, n_short),
+            (TrashReason.CLASS_SMALLER_THAN_K, n_small),
+            (TrashReason.BEYOND_RADIUS, n_outliers),
+        ),
+        small_classes=tuple(small),
     )
 
 

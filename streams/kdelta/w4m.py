@@ -8,9 +8,12 @@ time-tolerant edit distance and then edits each cluster member in time *and* spa
   costs 0, of a mismatch 1, insertions and deletions 1. ``lst`` — the linear spatio-temporal refinement
   ⚠: a match costs its normalized gap ``max(|Δx|/ε, |Δy|/ε, |Δt|/τ)`` instead of 0. Both are divided
   by ``max(|A|, |B|)``, so distances lie in [0, 1] and a pair without any match is exactly 1.
-* **Clustering**: NWA's greedy pivots with a radius bound and a trash (§7.3), the radius being the
-  smallest on a grid of [0, 1] whose trash fits ``trash_max`` (bisection, replaying the common prefix
-  of earlier runs). EDR saturates at 1 for every pair without a match, so the pivot sweep (farthest
+* **Bounds** (issue 16): a member is aligned with a pivot only when their starts and their ends differ by
+  at most ``max_time_shift_s`` (so no published point is shifted by more), and only within the
+  clustering radius ``max_radius`` (< 1: at least one match); trajectories that cannot be grouped within
+  both are trash. Time-connected groups (spans widened by the shift bound) are anonymized separately.
+* **Clustering**: NWA's greedy pivots with that radius bound and a trash (§7.3). EDR saturates at 1
+  for every pair without a match, so the pivot sweep (farthest
   from the previous pivot) and ties at distance 1 use the distance between space–time centroids
   ``(x̄, ȳ, t̄·ε/τ)`` ⚠ [design].
 * **Translation**: every member is aligned with its pivot along an optimal edit path; a member sample
@@ -52,7 +55,7 @@ from scipy.spatial import cKDTree
 
 from kcloak.core.geometry import Aeqd
 from kcloak.core.names import TrajectoryDistance
-from kcloak.streams.kdelta import KDeltaError, KDeltaResult, check_params, trash_limit
+from kcloak.streams.kdelta import KDeltaError, KDeltaResult, SmallClass, TrashReason, check_params, trash_limit
 from kcloak.streams.kdelta.nwa import DELTA_MARGIN_M, Step, greedy_step, replay_runs, space_translate
 from kcloak.streams.trajectory import Trajectory
 
@@ -61,14 +64,18 @@ F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 Bool = npt.NDArray[np.bool_]
 
-RADIUS_GRID_MAX = 200
-"""The radius search looks at most at this many evenly spaced radii in [0, 1] (plus exact fractions)."""
-
 DP_CELLS_PER_BATCH = 4_000_000
 """Cells (pairs × (|A|+1) × (|B|+1)) kept in memory by one batched alignment with traceback."""
 
 DEFAULT_TAU_S = 60.0
 """Default time tolerance τ of a match (seconds) ⚠."""
+
+DEFAULT_MAX_TIME_SHIFT_S = 3600.0
+"""Default bound of any published point's time shift (seconds): an hour, longer than a live window ⚠."""
+
+DEFAULT_MAX_RADIUS = 0.9
+"""Default clustering radius on the normalized edit distance ⚠: a member must match at least a tenth of
+the longer trajectory's samples within (ε, τ); beyond it a trajectory is trash, as in NWA."""
 
 DEFAULT_MAX_CANDIDATES = 20
 """Exact distance evaluations per pivot: the candidates with the smallest lower bounds [design]."""
@@ -222,12 +229,44 @@ def _align(
 
 
 # -- neighbours -------------------------------------------------------------------------------
+def _batch_end(la: I64, lb: I64, start: int, budget: int) -> int:
+    """End of the batch of pairs from ``start`` whose *padded* DP, ``pairs × (max la + 1) × (max lb + 1)``,
+    stays within ``budget`` cells (at least one pair). ``la`` is sorted ascending from ``start`` on.
+
+    Sizing a batch by its first (smallest) pair, as before issue 16, padded a batch of thousands of short
+    pairs to the longest trajectory among them: on a half hour of Beijing taxis most time went there.
+    """
+    n = len(la)
+    end, mb, step = start + 1, int(lb[start]), 1
+    while end < n:
+        new_end = min(n, end + step)
+        mb_new = max(mb, int(lb[end:new_end].max()))
+        if (new_end - start) * (int(la[new_end - 1]) + 1) * (mb_new + 1) > budget:
+            if step == 1:
+                break
+            step = 1
+            continue
+        end, mb, step = new_end, mb_new, step * 2
+    return end
+
+
 class _Space:
     """Exact normalized distances between packed trajectories, with candidate pruning (module docstring)."""
 
-    def __init__(self, packed: _Packed, eps: float, tau: float, kind: Distance, max_candidates: int | None) -> None:
+    def __init__(
+        self,
+        packed: _Packed,
+        eps: float,
+        tau: float,
+        kind: Distance,
+        max_candidates: int | None,
+        spans: F64 | None = None,
+        max_shift: float = math.inf,
+    ) -> None:
         self.p, self.eps, self.tau, self.kind = packed, eps, tau, kind
         self.max_candidates = max_candidates
+        self.spans = spans  # (n, 2) start and end of each trajectory (s); None: no time-shift bound
+        self.max_shift = max_shift
         n, L, _ = packed.xyt.shape
         valid = np.arange(L)[None, :] < packed.length[:, None]
         scaled = packed.xyt / np.array([eps, eps, tau])
@@ -253,6 +292,16 @@ class _Space:
         got = (cand[keep].astype(np.int64), count[keep].astype(np.int64))
         self._matches[p] = got
         return got
+
+    def feasible(self, p: int, others: I64) -> Bool:
+        """Whether each of ``others`` can be aligned with ``p`` (either as pivot) within the time-shift bound:
+        the starts and the ends of the two spans differ by at most ``max_shift`` (an inserted point takes
+        the pivot instant clamped to the member's span, so its shift is at most that difference)."""
+        if self.spans is None or not math.isfinite(self.max_shift):
+            return np.ones(len(others), bool)
+        d = np.abs(self.spans[others] - self.spans[p])
+        out: Bool = (d[:, 0] <= self.max_shift) & (d[:, 1] <= self.max_shift)
+        return out
 
     def lower_bound(self, p: int, cand: I64, count: I64) -> F64:
         lp, lb = int(self.p.length[p]), self.p.length[cand]
@@ -318,8 +367,7 @@ class _Space:
         a, b, la, lb = a[order], b[order], la[order], lb[order]
         start = 0
         while start < len(a):
-            cells = int(la[start] + 1) * int(lb[start] + 1)
-            end = min(len(a), start + max(1, DP_CELLS_PER_BATCH // (2 * cells)))
+            end = _batch_end(la, lb, start, DP_CELLS_PER_BATCH // 2)
             sa, sb = a[start:end], b[start:end]
             ma, mb = int(la[start:end].max()), int(lb[start:end].max())
             d, _ = _edit_rows(
@@ -344,6 +392,8 @@ class _Space:
         """
         cand, count = self.matches(p)
         ok = alive[cand]
+        cand, count = cand[ok], count[ok]
+        ok = self.feasible(p, cand)
         cand, count = cand[ok], count[ok]
         lb = self.lower_bound(p, cand, count)
         order = np.argsort(lb, kind="stable")[: self.max_candidates]
@@ -371,11 +421,14 @@ class _Space:
             rest[p] = False
             rest[got_ids] = False
             pool = np.flatnonzero(rest)
+            reach = self.feasible(p, pool)
             need = min(kk, len(pool))
             sd = ((self.p.summary[pool] - self.p.summary[p]) ** 2).sum(axis=1)
+            sd = np.where(reach, sd, np.inf)
             pick = pool[np.argpartition(sd, need - 1)[:need]] if need else pool[:0]
             got_ids = np.r_[got_ids, pick].astype(np.int64)
-            got_d = np.r_[got_d, np.ones(len(pick))]
+            # beyond the time-shift bound: farther than any radius (never grouped with p)
+            got_d = np.r_[got_d, np.where(self.feasible(p, pick), 1.0, np.inf)]
         sd = ((self.p.summary[got_ids] - self.p.summary[p]) ** 2).sum(axis=1)
         order = np.lexsort((sd, got_d))[:kk]
         return got_ids[order], got_d[order]
@@ -427,29 +480,26 @@ class _Greedy:
         return clusters, np.array(sorted(trash), dtype=np.int64)
 
 
-def _radius_grid(max_len: int) -> F64:
-    steps = min(max_len, RADIUS_GRID_MAX)
-    return np.unique(np.round(np.linspace(0.0, 1.0, steps + 1), 12))
-
-
-def _search_radius(g: _Greedy, n: int, max_trash: int, max_len: int) -> tuple[float, list[I64], I64]:
-    """Smallest grid radius whose greedy trash is ≤ ``max_trash`` (bisection; radius 1 never trashes)."""
-    cand = _radius_grid(max_len)
-    lo, hi = -1, len(cand) - 1
-    best: tuple[list[I64], I64] | None = None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        result = g.run(float(cand[mid]))
-        if len(result[1]) <= max_trash:
-            hi, best = mid, result
-        else:
-            lo = mid
-    if best is None:
-        best = g.run(float(cand[hi]))
-    return float(cand[hi]), *best
-
-
 # -- the algorithm ----------------------------------------------------------------------------
+def time_groups(trajectories: Sequence[Trajectory], max_shift_s: float) -> list[list[int]]:
+    """Indices of the trajectories in time-connected groups: two trajectories whose spans, widened by
+    ``max_shift_s``, do not overlap (directly or through others) can never be aligned, so each group is
+    anonymized on its own (less padding, no hopeless pairs)."""
+    if not trajectories:
+        return []
+    starts = np.array([tr.t_start for tr in trajectories])
+    ends = np.array([tr.t_end for tr in trajectories])
+    order = np.argsort(starts, kind="stable")
+    groups: list[list[int]] = [[int(order[0])]]
+    reach = ends[order[0]] + max_shift_s
+    for i in order[1:].tolist():
+        if starts[i] > reach:
+            groups.append([])
+        groups[-1].append(int(i))
+        reach = max(reach, ends[i] + max_shift_s)
+    return groups
+
+
 def w4m(
     trajectories: Sequence[Trajectory],
     *,
@@ -461,15 +511,22 @@ def w4m(
     tau_s: float = DEFAULT_TAU_S,
     max_radius: float | None = None,
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES,
+    max_time_shift_s: float = DEFAULT_MAX_TIME_SHIFT_S,
 ) -> W4MResult:
     """Anonymize ``trajectories`` (each ≥ 2 instants, any spans) into (k,δ)-anonymity sets with W4M (§7.4).
 
     ``distance`` is ``edr`` or ``lst``; ``eps_m`` the spatial match tolerance per axis (default δ/2),
-    ``tau_s`` the temporal one; ``max_radius`` the clustering radius on normalized distances in [0, 1]
-    (default: the smallest grid radius whose trash fits ``floor(trash_max · n)``); ``max_candidates``
-    bounds the exact distance evaluations per pivot to the candidates with the smallest lower bounds
-    (``None``: exact nearest neighbours, as the brute-force tests check). Members of a group
-    share the pivot's instants and lie at each within δ/2 (haversine) of the group's centre.
+    ``tau_s`` the temporal one (at most ``max_time_shift_s``); ``max_radius`` the clustering radius on
+    normalized distances in [0, 1] (default :data:`DEFAULT_MAX_RADIUS`): a trajectory without k−1 others
+    within it is trash, as in NWA; ``max_time_shift_s`` bounds every published point's time shift (a
+    member is aligned with a pivot only when their starts and their ends differ by at most that);
+    ``max_candidates`` bounds the exact distance evaluations per pivot to the candidates with the
+    smallest lower bounds (``None``: exact nearest neighbours, as the brute-force tests check).
+
+    Like NWA (issue 16), ``trash_max`` is a bound, not a budget: the trash is what the bounds force
+    (time-connected groups smaller than k, trajectories with no partners within the radius and the
+    shift bound), the same at any ``trash_max``; over the bound the result is not :attr:`ok`. Members
+    of a group share the pivot's instants and lie at each within δ/2 (haversine) of the group's centre.
     """
     check_params(k, delta_m, trash_max)
     kind = Distance(distance)
@@ -478,32 +535,56 @@ def w4m(
         raise KDeltaError("eps_m: must be a finite number ≥ 0 (metres)")
     if not (math.isfinite(tau_s) and tau_s >= 0):
         raise KDeltaError("tau_s: must be a finite number ≥ 0 (seconds)")
+    if not max_time_shift_s >= 0:
+        raise KDeltaError("max_time_shift_s: must be ≥ 0 (seconds)")
     if max_candidates is not None and max_candidates < 1:
         raise KDeltaError("max_candidates: must be ≥ 1 or None")
-    if max_radius is not None and not max_radius >= 0:
-        raise KDeltaError("max_radius: must be ≥ 0")
-    eps, tau = max(eps, 1e-6), max(tau_s, 1e-6)
+    if max_radius is not None and not 0 <= max_radius <= 1:
+        raise KDeltaError("max_radius: must be within [0, 1]")
+    radius = DEFAULT_MAX_RADIUS if max_radius is None else float(max_radius)
+    tau = max(min(tau_s, max_time_shift_s), 1e-6)
+    eps = max(eps, 1e-6)
     n_in = len(trajectories)
     limit = trash_limit(n_in, trash_max)
-    if n_in < k:
-        return W4MResult((), (), (), tuple(tr.traj_id for tr in trajectories), n_in, limit)
-    packed = _pack(trajectories, eps, tau)
-    space = _Space(packed, eps, tau, kind, max_candidates)
-    space.prefetch(max_candidates if max_candidates is not None else 2 * k)
-    g = _Greedy(space, k)
-    if max_radius is None:
-        radius, clusters, left = _search_radius(g, n_in, limit, int(packed.length.max()))
-    else:
-        radius = float(max_radius)
-        clusters, left = g.run(radius)
-    published, originals, groups, n_ins, n_del = _translate(trajectories, space, clusters, delta_m, eps, tau, kind)
+    published: list[Trajectory] = []
+    originals: list[Trajectory] = []
+    groups: list[tuple[int, ...]] = []
+    trash: list[str] = []
+    small: list[SmallClass] = []
+    n_small = n_unmatched = n_ins = n_del = 0
+    for members in time_groups(trajectories, max_time_shift_s):
+        part = [trajectories[i] for i in members]
+        if len(part) < k:
+            trash.extend(tr.traj_id for tr in part)
+            n_small += len(part)
+            small.append(SmallClass(min(tr.t_start for tr in part), max(tr.t_end for tr in part), len(part)))
+            continue
+        packed = _pack(part, eps, tau)
+        spans = np.array([[tr.t_start, tr.t_end] for tr in part])
+        space = _Space(packed, eps, tau, kind, max_candidates, spans, max_time_shift_s)
+        space.prefetch(max_candidates if max_candidates is not None else 2 * k)
+        clusters, left = _Greedy(space, k).run(radius)
+        trash.extend(part[i].traj_id for i in left.tolist())
+        n_unmatched += len(left)
+        pub, orig, grp, ins, dele = _translate(part, space, clusters, delta_m, eps, tau, kind)
+        offset = len(published)
+        published += pub
+        originals += orig
+        groups += [tuple(offset + i for i in g) for g in grp]
+        n_ins += ins
+        n_del += dele
     return W4MResult(
         published=tuple(published),
         originals=tuple(originals),
         groups=tuple(groups),
-        trash=tuple(trajectories[i].traj_id for i in left.tolist()),
+        trash=tuple(trash),
         n_in=n_in,
         trash_limit=limit,
+        trash_reasons=(
+            (TrashReason.CLASS_SMALLER_THAN_K, n_small),
+            (TrashReason.NO_MATCH_WITHIN_BOUNDS, n_unmatched),
+        ),
+        small_classes=tuple(small),
         n_inserted=n_ins,
         n_deleted=n_del,
         radius=radius,
@@ -589,4 +670,13 @@ def _translate(
     return published, originals, groups, n_ins, n_del
 
 
-__all__ = ["DEFAULT_TAU_S", "Distance", "W4MResult", "edit_distance", "w4m"]
+__all__ = [
+    "DEFAULT_MAX_RADIUS",
+    "DEFAULT_MAX_TIME_SHIFT_S",
+    "DEFAULT_TAU_S",
+    "Distance",
+    "W4MResult",
+    "edit_distance",
+    "time_groups",
+    "w4m",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +119,22 @@ def test_nwa_translates_less_than_microaggregation_at_equal_k() -> None:
         for m in ("nwa", "microagg")
     }
     assert rows["nwa"]["mean_translation_m"] < rows["microagg"]["mean_translation_m"]
+
+
+def test_k_delta_tradeoff_table_and_picture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 16 §3: ``--ks``/``--deltas`` sweep the (k, δ) grid, print one small table per method, draw it."""
+    png = tmp_path / "tradeoff.png"
+    flags = ["--sizes", "40", "--points", "12", "--methods", "microagg", "--ks", "3,4", "--deltas", "300,3000"]
+    assert main(["bench", "anonymize", *flags, "--plot", str(png), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(k, δ) trade-off — microagg, n=40" in out
+    table = out[out.index("(k, δ) trade-off") :]
+    assert table.count(" · ") >= 2 * 4  # four cells of distortion · translation · trash
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["bench", "anonymize", *flags, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert sorted((r["k"], r["delta"]) for r in rows) == [(3, 300.0), (3, 3000.0), (4, 300.0), (4, 3000.0)]
+    ok = {(r["k"], r["delta"]): r for r in rows if r["status"] == "ok"}
+    assert len(ok) == 4  # microaggregation publishes all: a larger δ leaves the same groups, fewer changed answers
+    assert ok[(3, 3000.0)]["range_query_distortion"] <= ok[(3, 300.0)]["range_query_distortion"]
+    assert all({"translation_p95_m", "translation_max_m", "time_shift_max_s"} <= set(r) for r in rows)

@@ -189,8 +189,11 @@ def test_w4m_invariants(s: tuple[list[Trajectory], int, float, float]) -> None:
     assert len(set(ids)) == len(ids)
     assert not set(ids) & set(r.trash)
     assert sorted(ids + list(r.trash)) == sorted(tr.traj_id for tr in trajs)
-    if len(trajs) >= k:
-        assert len(r.trash) <= trash_limit(len(trajs), trash_max) and r.ok
+    # trash_max is a bound, not a budget (issue 16): the trash is what the bounds force, at any trash_max
+    assert r.ok == (len(r.trash) <= trash_limit(len(trajs), trash_max))
+    assert sum(n for _, n in r.trash_reasons) == len(r.trash)
+    loose = w4m(trajs, k=k, delta_m=delta, trash_max=1.0, tau_s=tau, eps_m=max(delta / 2, 25.0))
+    assert sorted(loose.trash) == sorted(r.trash) and loose.ok
     assert all(len(g) >= k for g in r.groups)  # no output trajectory outside a valid group
     assert sorted(i for g in r.groups for i in g) == list(range(len(r.published)))
     for g in r.groups:  # a group shares its pivot's instants
@@ -279,22 +282,39 @@ def test_geolife_sample_w4m_release_passes_the_verifier() -> None:
     fixes = read_fixes(GEOLIFE)
     inputs, _ = split_too_short(trajectories_from_fixes(fixes))
     release = anonymize(fixes, method="w4m", k=3, delta_m=500.0, seed=2, range_queries=50)
-    assert release.ok
-    assert verify_k_delta(release.table, 3, 500.0).ok
-    assert release.report["n_out"] + release.report["n_trash"] == len(inputs)
-    assert release.report["n_inserted"] >= 0 and release.report["time_shift_max_s"] >= 0
+    # 5 users in different years: no three trajectories are co-temporal within the shift bound, so
+    # an honest W4M refuses (before issue 16 it "published" them with shifts of months)
+    rep = release.report
+    assert rep["n_out"] + rep["n_trash"] == len(inputs)
+    assert sum(rep["trash_reasons"].values()) == rep["n_trash"]
+    if release.ok:
+        assert verify_k_delta(release.table, 3, 500.0).ok
+        assert rep["time_shift_s"]["max"] <= 3600.0
+    else:
+        assert rep["n_trash"] > rep["trash_limit"] and len(release.table) == 0
 
 
-def test_cli_publishes_a_w4m_release(tmp_path: Path) -> None:
+def test_cli_publishes_a_w4m_release(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, rep = tmp_path / "out.csv", tmp_path / "rep.json"
     src = DATA / "ais_nyharbor.csv.gz"
+    # at δ = 800 m most ships of the harbour never meet three others: W4M now refuses (it used to group
+    # them anyway, with a mean translation of about 2δ and more insertions than kept points)
     args = ["anonymize", str(src), "-o", str(out), "--k", "4", "--delta", "800", "--method", "w4m"]
+    assert main([*args, "--report", str(rep), "--seed", "3", "--tau-s", "45"]) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "not published" in err and "no k-1 others within the time-shift bound and radius" in err
+    refused = json.loads(rep.read_text())
+    assert refused["n_trash"] > refused["trash_limit"] == 29
+    # at a harbour-scale δ the same ships form groups within the bounds
+    args = ["anonymize", str(src), "-o", str(out), "--k", "4", "--delta", "20000", "--method", "w4m"]
     assert main([*args, "--report", str(rep), "--seed", "3", "--tau-s", "45"]) == 0
     report = json.loads(rep.read_text())
     assert report["method"] == "w4m" and report["pi_s"] is None
     assert report["time_distortion_s"] >= 0 and "n_inserted" in report and "n_deleted" in report
+    assert report["time_shift_s"]["max"] <= 3600.0 and report["translation_m"]["max"] <= 10_000.0
     published = read_fixes(out)
-    assert verify_k_delta(published, 4, 800.0).ok
+    assert verify_k_delta(published, 4, 20000.0).ok
     with pytest.raises(SystemExit) as exc:
         main([*args, "--distance", "dtw"])
     assert exc.value.code == 2
