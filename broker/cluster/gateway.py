@@ -59,7 +59,7 @@ from kcloak.broker.stores import StoreError
 from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
 from kcloak.wire.answers import Answer
-from kcloak.wire.payloads import Fix
+from kcloak.wire.payloads import Fix, InvalidInput, parse_query
 
 if TYPE_CHECKING:
     from kcloak.broker.auth import TokenStore
@@ -513,6 +513,12 @@ class ClusterPipeline:
 
         kind = obj.get("kind")
         kind_label = kind if kind in ("range", "knn") else "unknown"
+        try:
+            parse_query(obj)  # the schema at the door, as one process checks it (contract §2 order)
+        except InvalidInput as exc:
+            return self._finish(
+                transport, kind_label, Answer.refused(query_id, ReasonCode.INVALID, str(exc), time.time())
+            )
         if self._closing:
             return self._finish(
                 transport,
