@@ -118,3 +118,43 @@ def test_fresh_pin_hands_over_each_message_once_without_reading_it_again(nats_cl
         await nc.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.cluster
+def test_slow_hand_over_keeps_the_buffer_near_one_batch(nats_cluster: Any) -> None:
+    """A member whose handler is behind pulls no more than about a batch ahead: a buffer that grows by one message
+    per pull round trip keeps messages past ack_wait, and they come again (a second apply of each)."""
+
+    async def scenario() -> None:
+        layout = Layout(partitions=1, cells=1, replicas=3, pinned_timeout_s=2.0)
+        nc = await nats.connect(servers=nats_cluster.urls)
+        await ensure_layout(nc, layout)
+        js = nc.jetstream()
+        for i in range(150):
+            await js.publish(in_subject(0, "update", f"u{i % 4}"), str(i).encode(), stream=IN_STREAM)
+        seen: list[int] = []
+        most = 0
+
+        async def handle(batch: list[Delivered]) -> None:
+            nonlocal most
+            for msg in batch:
+                seen.append(msg.seq)
+                await m.ack(msg)
+            await asyncio.sleep(0.1)
+            most = max(most, m._buffered)
+
+        m = PinnedMember(nc, IN_STREAM, "in-0", handler=handle, lease_s=1.0, expires_s=0.5, batch=8)
+        task = asyncio.create_task(m.run())
+        deadline = time.monotonic() + 20
+        while len(seen) < 150 and time.monotonic() < deadline:
+            most = max(most, m._buffered)
+            await asyncio.sleep(0.01)
+        assert len(seen) == 150 and m.pinned, "every message, the pin kept (the lease needs answered pulls)"
+        assert most <= 2 * 8, f"{most} messages buffered for a batch of 8"
+        await m.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
