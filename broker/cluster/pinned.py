@@ -477,6 +477,13 @@ class PubAcks:
                 fut.set_exception(exc)
         return fut
 
+    async def publish(
+        self, subject: str, data: bytes, *, stream: str, msg_id: str, keep_trying: Callable[[], bool]
+    ) -> int:
+        """One publish and its PubAck: the stream sequence (retried as :meth:`settle` does)."""
+        fut = await self.send(subject, data, stream=stream, msg_id=msg_id)
+        return (await self.settle([(fut, subject, data, stream, msg_id)], keep_trying=keep_trying))[0]
+
     async def settle(
         self,
         sent: list[tuple[asyncio.Future[int], str, bytes, str, str]],

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, publish_durably, read_last_per_subject
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
@@ -336,11 +336,12 @@ class Router:
             msg_id,
         )
         if st.cell == cell:
-            st.fix_seq = max(st.fix_seq, int(ack.seq))
+            st.fix_seq = max(st.fix_seq, ack)
 
-    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> Any:
-        return await publish_durably(
-            self.js, subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
+    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> int:
+        """Publish with message id ``msg_id`` and return the stored stream sequence (retried while pinned)."""
+        return await self._acks.publish(
+            subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
         )
 
     def _check(self, token: str, raw: Any, st: UserState | None) -> Fix | ReasonCode:
@@ -377,7 +378,7 @@ class Router:
             f"leave/{st.in_seq}/{old}",
         )
         st.cell = None
-        await self.wait_applied(old, int(ack.seq))
+        await self.wait_applied(old, ack)
 
     async def wait_applied(self, cell: int, seq: int) -> None:
         """Until cell ``cell``'s owner has applied stream sequence ``seq``: consumer ``cell-<c>``'s ack floor
