@@ -128,6 +128,19 @@ async def run(
     await asyncio.wait_for(done.wait(), 120)
     query_s = time.monotonic() - started
     w2 = sum(map(cpu_s, worker_pids))
+    if args.status:
+        inbox = nc.new_inbox()
+        statuses: list[Any] = []
+
+        async def on_status(msg: Any) -> None:
+            statuses.append(json.loads(msg.data))
+
+        await nc.subscribe(inbox, cb=on_status)
+        await nc.publish("kcloak.debug.status", b"", reply=inbox)
+        await asyncio.sleep(1.0)
+        for st in statuses:
+            st.pop("users", None)
+            print(json.dumps(st), file=sys.stderr)
     await nc.close()
     return {
         "workers": len(worker_pids),
@@ -150,6 +163,7 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--cells", type=int, default=4)
     parser.add_argument("--profile", default="", help="cProfile worker 0 into this file")
+    parser.add_argument("--status", action="store_true", help="print each worker's counters to stderr at the end")
     args = parser.parse_args()
     binary = nats_server_binary()
     if binary is None:
@@ -186,6 +200,7 @@ def main() -> int:
                 cmd = [sys.executable, "-I", "-m", "kcloak.cli.cluster_worker", "--servers", urls]
                 cmd += ["--cells", str(tmp / "cells.json"), "--partitions", str(args.partitions)]
                 cmd += ["--upstream", f"http://127.0.0.1:{port}", "--data-dir", str(tmp / f"w{i}"), "--name", f"w{i}"]
+                cmd += ["--debug-status"] if args.status else []
                 workers.append(
                     subprocess.Popen(
                         cmd,

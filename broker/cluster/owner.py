@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, publish_durably, read_last_per_subject
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
@@ -122,6 +122,7 @@ class CellOwner:
         self.applied_seq = 0
         self._applied = asyncio.Condition()
         self._kv: Any = None
+        self._acks = PubAcks(nc)
         self._live = False
         self._cloak_task: asyncio.Task[None] | None = None
         self._query_task: asyncio.Task[None] | None = None
@@ -308,8 +309,7 @@ class CellOwner:
         ).inc()
         added = time.monotonic() - started - timing.upstream
         self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
-        await publish_durably(
-            self.js,
+        await self._acks.publish(
             answer_subject(token, qkey),
             json.dumps(answer.to_json(), separators=(",", ":")).encode(),
             stream=ANSWERS_STREAM,

@@ -130,7 +130,9 @@ class PinnedMember:
         self._last_ok = time.monotonic()
         self._queue: asyncio.Queue[Delivered | str] = asyncio.Queue()
         self._buffered = 0
+        self._room = asyncio.Event()  # set when the hand-over has taken messages out of the buffer
         self._caught_up: set[int] = set()
+        self._fresh_from: dict[str, int] = {}  # pin id -> stream seq of its first first-time delivery
         self._unpin_tasks: set[asyncio.Future[None]] = set()
         self._stopping = False
         self._sub: Any = None
@@ -189,6 +191,14 @@ class PinnedMember:
 
     # -- pulling -------------------------------------------------------------------------------
     async def _pull_once(self) -> None:
+        if self._buffered >= self.batch:
+            # The hand-over is behind: wait (a little: the lease needs answered pulls) for room before pulling, so
+            # the buffer stays near ``batch`` instead of growing by a pull each round trip until messages wait
+            # past the consumer's ack_wait and come again (seen under load: about 1,500 redeliveries in 20,000).
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.expires_s / 2):
+                    await self._room.wait()
         self._request += 1
         batch = max(1, self.batch - self._buffered)
         body: dict[str, Any] = {
@@ -234,13 +244,17 @@ class PinnedMember:
             return
         if not msg.reply:
             return
+        seq, delivered = ack_seq(msg.reply)
         pin = headers.get(PIN_HEADER)
         if pin is not None and pin != self.pin_id:
             self.pin_id = pin
+            if delivered == 1:
+                self._fresh_from = {pin: seq}
             self._queue.put_nowait(pin)  # marker: on_pinned before the messages that follow
         self._last_ok = time.monotonic()
-        seq, delivered = ack_seq(msg.reply)
         self._buffered += 1
+        if delivered > 1:
+            self.counters["redeliveries"] = self.counters.get("redeliveries", 0) + 1
         self._queue.put_nowait(Delivered(seq, msg.subject, dict(headers), msg.data, msg.reply, delivered > 1))
         self._remaining -= 1  # (a data message's subject is its stream subject, not our inbox)
         if self._remaining <= 0:
@@ -293,6 +307,7 @@ class PinnedMember:
             batch.append(it)
         if batch:
             await self._hand_over(batch)
+        self._room.set()
 
     async def _hand_over(self, batch: list[Delivered]) -> None:
         self.counters["delivered"] += len(batch)
@@ -320,16 +335,18 @@ class PinnedMember:
         self.pinned = True
         self.counters["pins"] += 1
         self._caught_up.clear()
-        await self._rebuild(pin)
+        await self._rebuild(pin, self._fresh_from.pop(pin, None))
 
-    async def _rebuild(self, pin: str) -> None:
+    async def _rebuild(self, pin: str, fresh_from: int | None = None) -> None:
         """``on_pinned`` (and the catch-up) until it succeeds or the pin is lost: a rebuild reads the streams, which
-        fails while a NATS node is down and its streams elect leaders; nothing is handed over before it."""
+        fails while a NATS node is down and its streams elect leaders; nothing is handed over before it.
+        ``fresh_from``: the stream sequence of the first message delivered under this pin for the first time (the
+        catch-up stops below it: what a predecessor held was delivered before it)."""
         while True:
             try:
                 await self.on_pinned()
                 if self.catch_up:
-                    await self._catch_up()
+                    await self._catch_up(fresh_from)
                 return
             except Exception:
                 self.counters["rebuild_failures"] = self.counters.get("rebuild_failures", 0) + 1
@@ -338,12 +355,19 @@ class PinnedMember:
             if self.pin_id != pin:
                 return  # lost meanwhile: _lose_pin ran on_unpinned
 
-    async def _catch_up(self) -> None:
-        """Hand over the messages still in the stream above the consumer's ack floor, in stream order."""
+    async def _catch_up(self, fresh_from: int | None = None) -> None:
+        """Hand over the messages still in the stream above the consumer's ack floor, in stream order.
+
+        With ``fresh_from`` (a new pin whose first message was a first delivery), only those below it: the consumer
+        delivers new messages in stream order, so everything a predecessor was given (and may not have acknowledged)
+        lies below the first message this member got for the first time, and what lies above comes to this member
+        by the pull itself (a fresh start reads nothing)."""
         try:
             info = await api_request(self.nc, f"CONSUMER.INFO.{self.stream}.{self.consumer}", None)
             seq = int(info["ack_floor"]["stream_seq"]) + 1
             last = int(info["delivered"]["stream_seq"])
+            if fresh_from is not None:
+                last = min(last, fresh_from - 1)
             found: list[Delivered] = []
             while seq <= last:
                 try:
@@ -392,6 +416,136 @@ async def publish_durably(
                 raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
+
+
+class PubAcks:
+    """JetStream publishes whose PubAcks are collected on one inbox of our own, for a micro-batch's events.
+
+    ``js.publish`` is a full request per message (a fresh future, a timer, ``wait_for``, a PubAck object);
+    :meth:`send` publishes at once and returns a future of the stored stream sequence, and the caller awaits a
+    batch's futures together (:meth:`settle`). A publish that failed or got no PubAck within ``timeout_s`` is
+    retried with :func:`publish_durably` (same ``Nats-Msg-Id``: the stream stores it once)."""
+
+    def __init__(self, nc: Any, *, timeout_s: float = 5.0) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+        self._prefix = ""
+        self._sub: Any = None
+        self._next = 0
+        self._waiting: dict[str, asyncio.Future[int]] = {}
+        self.retries = 0
+
+    async def _ensure(self) -> None:
+        if self._sub is None:
+            self._prefix = self.nc.new_inbox()
+            self._sub = await self.nc.subscribe(self._prefix + ".*", cb=self._on_ack)
+
+    async def _on_ack(self, msg: Any) -> None:
+        fut = self._waiting.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if fut is None or fut.done():
+            return
+        status = (msg.headers or {}).get("Status")
+        if status is not None:
+            fut.set_exception(JetStreamApiError(f"publish failed: status {status}"))  # 503: no stream (yet)
+            return
+        try:
+            resp = json.loads(msg.data)
+            error = resp.get("error")
+            if error:
+                fut.set_exception(JetStreamApiError(f"publish failed: {error.get('code')} {error.get('description')}"))
+            else:
+                fut.set_result(int(resp["seq"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            fut.set_exception(JetStreamApiError(f"publish failed: bad PubAck ({type(exc).__name__})"))
+
+    async def send(self, subject: str, data: bytes, *, stream: str, msg_id: str) -> asyncio.Future[int]:
+        """Publish now; the future is the stream sequence from the PubAck (or the error)."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        try:
+            await self._ensure()
+            self._next += 1
+            token = str(self._next)
+            self._waiting[token] = fut
+            await self.nc.publish(
+                subject,
+                data,
+                reply=f"{self._prefix}.{token}",
+                headers={"Nats-Msg-Id": msg_id, "Nats-Expected-Stream": stream},
+            )
+        except Exception as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+        return fut
+
+    async def publish(
+        self, subject: str, data: bytes, *, stream: str, msg_id: str, keep_trying: Callable[[], bool]
+    ) -> int:
+        """One publish and its PubAck: the stream sequence (retried as :meth:`settle` does)."""
+        fut = await self.send(subject, data, stream=stream, msg_id=msg_id)
+        return (await self.settle([(fut, subject, data, stream, msg_id)], keep_trying=keep_trying))[0]
+
+    async def settle(
+        self,
+        sent: list[tuple[asyncio.Future[int], str, bytes, str, str]],
+        *,
+        keep_trying: Callable[[], bool],
+    ) -> list[int]:
+        """The stream sequences of ``sent`` (``(future, subject, data, stream, msg_id)`` from :meth:`send`), in
+        order; what failed or timed out is published again with :func:`publish_durably` (which raises when it
+        gives up)."""
+        futs = [item[0] for item in sent]
+        if futs:
+            await asyncio.wait(futs, timeout=self.timeout_s)
+        seqs: list[int] = []
+        for fut, subject, data, stream, msg_id in sent:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                seqs.append(fut.result())
+                continue
+            if not fut.done():
+                fut.cancel()
+            self.retries += 1
+            js = self.nc.jetstream()
+            ack = await publish_durably(js, subject, data, stream=stream, msg_id=msg_id, keep_trying=keep_trying)
+            seqs.append(int(ack.seq))
+        for token in [t for t, f in self._waiting.items() if f.done()]:
+            del self._waiting[token]
+        return seqs
+
+
+NATS_HEADER_PARSER: dict[str, Callable[[bytes], dict[str, str]]] = {}
+"""nats-py's own parser (``"original"``) once :func:`install_fast_header_parsing` has replaced it."""
+
+
+def parse_header_lines(raw: bytes) -> dict[str, str]:
+    """nats-py 2.16's ``Client._parse_header_lines``, the same result for every input, without its per-character
+    generator (the worker's hottest nats-py function: every delivered message has a header block)."""
+    out: dict[str, str] = {}
+    for line in raw.split(b"\r\n"):
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        try:
+            key = name.strip().decode("ascii")
+        except UnicodeDecodeError:
+            continue
+        if key and key.split() != [key]:  # whitespace inside the name (str.split splits on what isspace() is)
+            continue
+        out[key] = value.strip().decode("utf-8", "replace")
+    return out
+
+
+def install_fast_header_parsing() -> bool:
+    """Use :func:`parse_header_lines` in nats-py (process-wide; the same headers, less CPU). False when this
+    nats-py has no ``_parse_header_lines`` (then nothing changes)."""
+    from nats.aio.client import Client
+
+    if not hasattr(Client, "_parse_header_lines"):
+        return False
+    NATS_HEADER_PARSER.setdefault("original", Client._parse_header_lines)
+    Client._parse_header_lines = staticmethod(parse_header_lines)  # type: ignore[method-assign]
+    return True
 
 
 def _b64(value: str | None) -> bytes:
@@ -449,4 +603,14 @@ async def read_last_per_subject(
     return out
 
 
-__all__ = ["PIN_HEADER", "Delivered", "PinnedMember", "ack_seq", "publish_durably", "read_last_per_subject"]
+__all__ = [
+    "PIN_HEADER",
+    "Delivered",
+    "PinnedMember",
+    "PubAcks",
+    "ack_seq",
+    "install_fast_header_parsing",
+    "parse_header_lines",
+    "publish_durably",
+    "read_last_per_subject",
+]

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, publish_durably, read_last_per_subject
+from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
@@ -131,6 +131,7 @@ class Router:
         self._owner_seen: dict[int, float] = {}
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._kv: Any = None
+        self._acks = PubAcks(nc)
         limits = config.limits
         self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
         self._query_buckets = TokenBuckets(limits.query_rate, limits.query_burst)
@@ -205,6 +206,8 @@ class Router:
                 await self._query(msg, token, transport)
             await self.member.ack(msg)
         await self._settle(pending, decided)
+        if self._acks.retries:
+            self.counters["puback_retries"] = self._acks.retries
 
     def _cells_of(self, batch: list[Delivered]) -> None:
         """The cell of every well-formed position in the batch's fix messages, in one vectorized call (the
@@ -247,9 +250,13 @@ class Router:
         decided.clear()
 
     async def _flush(self, pending: list[Any]) -> None:
+        """Await the PubAcks of the fix events sent so far (all together), then record their stream sequences."""
         if pending:
-            await asyncio.gather(*pending)
-            pending.clear()
+            sent, pending[:] = pending[:], []
+            seqs = await self._acks.settle([item[:5] for item in sent], keep_trying=lambda: self.member.pinned)
+            for (*_, st, cell), seq in zip(sent, seqs, strict=True):
+                if st.cell == cell:
+                    st.fix_seq = max(st.fix_seq, seq)
 
     async def _reply(self, msg: Delivered, body: dict[str, Any]) -> None:
         reply = msg.headers.get(REPLY_HEADER)
@@ -312,7 +319,11 @@ class Router:
         if profile is not None:
             body["k"] = profile.to_dict()
         st.t, st.lat, st.lon, st.cell, st.in_seq = fix.t, fix.lat, fix.lon, cell, in_seq
-        pending.append(self._publish_fix(token, st, cell, body, f"in/{in_seq}/{item}"))
+        subject = cell_subject(cell, self.partition, token)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        msg_id = f"in/{in_seq}/{item}"
+        fut = await self._acks.send(subject, data, stream=CELLS_STREAM, msg_id=msg_id)
+        pending.append((fut, subject, data, CELLS_STREAM, msg_id, st, cell))
         self.counters["fixes"] += 1
         self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
         return None
@@ -325,11 +336,12 @@ class Router:
             msg_id,
         )
         if st.cell == cell:
-            st.fix_seq = max(st.fix_seq, int(ack.seq))
+            st.fix_seq = max(st.fix_seq, ack)
 
-    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> Any:
-        return await publish_durably(
-            self.js, subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
+    async def _publish(self, subject: str, data: bytes, stream: str, msg_id: str) -> int:
+        """Publish with message id ``msg_id`` and return the stored stream sequence (retried while pinned)."""
+        return await self._acks.publish(
+            subject, data, stream=stream, msg_id=msg_id, keep_trying=lambda: self.member.pinned
         )
 
     def _check(self, token: str, raw: Any, st: UserState | None) -> Fix | ReasonCode:
@@ -366,7 +378,7 @@ class Router:
             f"leave/{st.in_seq}/{old}",
         )
         st.cell = None
-        await self.wait_applied(old, int(ack.seq))
+        await self.wait_applied(old, ack)
 
     async def wait_applied(self, cell: int, seq: int) -> None:
         """Until cell ``cell``'s owner has applied stream sequence ``seq``: consumer ``cell-<c>``'s ack floor

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kcloak.broker.cluster.owner import CellOwner, querylog_path
+from kcloak.broker.cluster.pinned import install_fast_header_parsing
 from kcloak.broker.cluster.router import Router
 from kcloak.broker.cluster.topology import Layout, ensure_layout
 from kcloak.broker.config import Config
@@ -87,6 +88,7 @@ class Worker:
         """Connect, create the layout (idempotent), join every partition's and every cell's group."""
         import nats
 
+        install_fast_header_parsing()
         self.nc = await nats.connect(
             servers=self.servers,
             name=f"kcloak-worker-{self.name}",
