@@ -578,6 +578,7 @@ class ClusterGateway:
         name: str,
         worker: bool = True,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        dask_scheduler: str | None = None,
     ) -> None:
         from kcloak import __version__
 
@@ -588,6 +589,7 @@ class ClusterGateway:
         self.cells = cells
         self.name = name
         self.with_worker = worker
+        self.dask_scheduler = dask_scheduler
         self.connect_timeout_s = connect_timeout_s
         self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
         self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
@@ -684,6 +686,7 @@ class ClusterGateway:
         )
 
     async def _start_worker(self) -> None:
+        from kcloak.broker.cluster.moves import timer_params
         from kcloak.broker.cluster.worker import Worker
 
         worker = Worker(
@@ -693,6 +696,8 @@ class ClusterGateway:
             config=self.config,
             metrics=self.metrics,
             name=self.name,
+            timer=timer_params(self.config),
+            dask_scheduler=self.dask_scheduler,
         )
         try:
             await worker.start()

@@ -10,6 +10,10 @@ ack floor at or past the leave's stream sequence; a dead owner's successor appli
 is the subject's latest message) and only then publishes the fix on ``kcloak.cell.<c>.<p>.<token>``:
 the user is never in two live indexes, and counted nowhere in between (safe).
 
+Every accepted fix is also stored in ``KCLOAK_MOVES`` (``kcloak.moves.<p>``, the movement history windows
+are published from, :mod:`kcloak.broker.cluster.moves`), in the same PubAck batch as its cell event; a
+rejected fix never is.
+
 Events (JSON on ``KCLOAK_CELLS``): ``{"e": "fix", "t", "lat", "lon", "in", "k"?}`` and
 ``{"e": "leave", "t", "in"}``, where ``in`` is the intake stream sequence of the user's latest applied
 fix and ``k`` his stored profile. On pin acquisition the router rebuilds from the last event of every
@@ -32,12 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from kcloak.broker.cluster.moves import move_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
     CELLQ_STREAM,
     CELLS_STREAM,
     IN_STREAM,
+    MOVES_STREAM,
     PROFILES_BUCKET,
     Layout,
     answer_msg_id,
@@ -46,6 +52,7 @@ from kcloak.broker.cluster.topology import (
     cell_subject,
     cellq_subject,
     in_filter,
+    moves_subject,
     owner_applied_subject,
     partition_cells_filter,
     partition_of,
@@ -255,7 +262,7 @@ class Router:
             sent, pending[:] = pending[:], []
             seqs = await self._acks.settle([item[:5] for item in sent], keep_trying=lambda: self.member.pinned)
             for (*_, st, cell), seq in zip(sent, seqs, strict=True):
-                if st.cell == cell:
+                if st is not None and st.cell == cell:
                     st.fix_seq = max(st.fix_seq, seq)
 
     async def _reply(self, msg: Delivered, body: dict[str, Any]) -> None:
@@ -324,6 +331,11 @@ class Router:
         msg_id = f"in/{in_seq}/{item}"
         fut = await self._acks.send(subject, data, stream=CELLS_STREAM, msg_id=msg_id)
         pending.append((fut, subject, data, CELLS_STREAM, msg_id, st, cell))
+        # The movement history (window publication): settled with the cell event, before the intake ack.
+        move = move_body(token, fix.t, fix.lat, fix.lon)
+        move_subject = moves_subject(self.partition)
+        fut = await self._acks.send(move_subject, move, stream=MOVES_STREAM, msg_id=msg_id)
+        pending.append((fut, move_subject, move, MOVES_STREAM, msg_id, None, None))
         self.counters["fixes"] += 1
         self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
         return None

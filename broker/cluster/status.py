@@ -15,6 +15,7 @@ from kcloak.broker.cluster.topology import (
     CELLQ_STREAM,
     CELLS_STREAM,
     IN_STREAM,
+    MOVES_STREAM,
     PUBLISHED_STREAM,
     WINDOWS_BUCKET,
     JetStreamApiError,
@@ -23,7 +24,7 @@ from kcloak.broker.cluster.topology import (
 )
 from kcloak.broker.publication import Window
 
-STREAMS = (IN_STREAM, CELLS_STREAM, CELLQ_STREAM, ANSWERS_STREAM, PUBLISHED_STREAM)
+STREAMS = (IN_STREAM, CELLS_STREAM, CELLQ_STREAM, ANSWERS_STREAM, MOVES_STREAM, PUBLISHED_STREAM)
 CONSUMER_NAME = re.compile(r"^(in|cell|cellq)-([0-9]+)\Z")
 
 

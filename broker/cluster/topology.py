@@ -16,6 +16,9 @@ Everything a gateway, a worker and an operator must agree on lives here, so they
   the one answer of a query, message id ``<token>/<qkey>`` so a recomputed answer is dropped; the
   stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
 - ``kcloak.out.status.<token>`` — core NATS: profile and session statuses for the gateways.
+- ``kcloak.moves.<p>`` — stream ``KCLOAK_MOVES`` (limits retention, ``max_age`` = a few publication windows):
+  every fix a router accepted (``{"u", "t", "lat", "lon"}``), the cluster's movement history from which
+  closed windows are published (:mod:`kcloak.broker.cluster.moves`).
 - buckets ``kcloak_profiles`` (stored profile per user token), ``kcloak_windows`` (publication ledger) and
   ``kcloak_regions`` (the region forwarded for each query, so a retried query never forwards another).
 - ``kcloak.published.<window id>`` — stream ``KCLOAK_PUBLISHED`` (duplicate window): the parts of each
@@ -41,6 +44,7 @@ IN_STREAM = "KCLOAK_IN"
 CELLS_STREAM = "KCLOAK_CELLS"
 CELLQ_STREAM = "KCLOAK_CELLQ"
 ANSWERS_STREAM = "KCLOAK_ANSWERS"
+MOVES_STREAM = "KCLOAK_MOVES"
 PROFILES_BUCKET = "kcloak_profiles"
 WINDOWS_BUCKET = "kcloak_windows"
 PUBLISHED_STREAM = "KCLOAK_PUBLISHED"
@@ -112,6 +116,15 @@ def answer_out_subject(token: str, qkey: str = "*") -> str:
     return f"kcloak.out.ans.{token}.{qkey}"
 
 
+def moves_subject(partition: int) -> str:
+    """Where partition ``p``'s router stores each accepted fix (stream ``KCLOAK_MOVES``)."""
+    return f"kcloak.moves.{partition}"
+
+
+def moves_filter() -> str:
+    return "kcloak.moves.*"
+
+
 def owner_applied_subject(cell: int) -> str:
     """Core NATS: cell ``c``'s live owner answers a request here with ``{"applied": <stream seq>}``, the last
     ``KCLOAK_CELLS`` sequence its index holds (a router waits on it before moving a user out of the cell)."""
@@ -147,6 +160,9 @@ class Layout:
     dedup_window_s: float = 600.0
     position_ttl_s: float = 3600.0
     pinned_timeout_s: float = 5.0
+    moves_max_age_s: float = 4 * (900.0 + 120.0)
+    """``KCLOAK_MOVES``'s ``max_age``: a few publication windows (``moves.moves_max_age_s`` of the serve
+    config's ``publish.window_s`` and ``cloaking.max_update_age_s``; the default is that of the defaults)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.partitions <= 4096:
@@ -155,12 +171,12 @@ class Layout:
             raise ConfigError("cluster.cells must be within 1..65536")
         if self.replicas not in (1, 3, 5):
             raise ConfigError("cluster.replicas must be 1, 3 or 5")
-        for name in ("dedup_window_s", "position_ttl_s", "pinned_timeout_s"):
+        for name in ("dedup_window_s", "position_ttl_s", "pinned_timeout_s", "moves_max_age_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cluster.{name} must be > 0")
 
     def stream_configs(self) -> list[dict[str, Any]]:
-        """The four streams as JetStream API configs (durations in nanoseconds)."""
+        """The five streams as JetStream API configs (durations in nanoseconds)."""
         ns = 1_000_000_000
         base = {"storage": "file", "num_replicas": self.replicas, "discard": "old"}
         return [
@@ -199,6 +215,14 @@ class Layout:
                 "max_age": int(self.dedup_window_s * ns),
                 "allow_direct": True,
                 "republish": {"src": "kcloak.ans.*.*", "dest": "kcloak.out.ans.{{wildcard(1)}}.{{wildcard(2)}}"},
+            },
+            {
+                **base,
+                "name": MOVES_STREAM,
+                "subjects": [moves_filter()],
+                "retention": "limits",
+                "max_age": int(self.moves_max_age_s * ns),
+                "duplicate_window": int(min(self.dedup_window_s, self.moves_max_age_s) * ns),
             },
         ]
 

@@ -10,6 +10,10 @@ consumer on one member at a time, and a dead member's consumers go to the others
 ``spread_s × h(X, name)`` with ``h`` a stable hash in [0, 1), so the worker with the lowest hash pulls first
 and is pinned; with workers started together, worker i of N ends up with about P/N partitions and C/N
 cells. The others keep a pull waiting as backups. Nothing moves back when a worker joins later.
+
+With ``timer`` (``kcloak serve --cluster`` when ``publish.window_s > 0``) the worker also runs a
+:class:`~kcloak.broker.cluster.moves.WindowTimer`: every closed window is published exactly once from
+``KCLOAK_MOVES``, by whichever worker wins its ledger key; on Dask when ``dask_scheduler`` is given.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from kcloak.broker.cluster.moves import TimerParams, WindowTimer
 from kcloak.broker.cluster.owner import CellOwner, querylog_path
 from kcloak.broker.cluster.pinned import install_fast_header_parsing
 from kcloak.broker.cluster.router import Router
@@ -65,6 +70,8 @@ class Worker:
         name: str,
         spread_s: float | None = None,
         debug_status: bool = False,
+        timer: TimerParams | None = None,
+        dask_scheduler: str | None = None,
     ) -> None:
         if cells.cells != layout.cells:
             raise ValueError("the cell map and the layout disagree on the number of cells")
@@ -83,6 +90,9 @@ class Worker:
         self._upstream: UpstreamClient | None = None
         self._querylog: QueryLog | None = None
         self._debug_sub: Any = None
+        self.timer_params = timer
+        self.dask_scheduler = dask_scheduler
+        self.timer: WindowTimer | None = None
 
     async def start(self) -> None:
         """Connect, create the layout (idempotent), join every partition's and every cell's group."""
@@ -140,6 +150,16 @@ class Worker:
             )
         for member in [r.member for r in self.routers] + [o.member for o in self.owners]:
             self._tasks.append(asyncio.create_task(member.run()))
+        if self.timer_params is not None:
+            self.timer = WindowTimer(
+                self.nc,
+                params=self.timer_params,
+                name=self.name,
+                scheduler=self.dask_scheduler,
+                cells=self.cells,
+                layout=self.layout,
+            )
+            self._tasks.append(asyncio.create_task(self.timer.run()))
         if self.debug_status:
             self._debug_sub = await self.nc.subscribe(DEBUG_STATUS_SUBJECT, cb=self._on_debug)
 
@@ -150,6 +170,8 @@ class Worker:
 
     async def stop(self) -> None:
         """Leave every group (unpin, so a backup takes over at once), drain, close."""
+        for task in self._tasks[len(self.routers) + len(self.owners) :]:
+            task.cancel()  # the window timer first: a window it held is taken over after its lease
         for owner in self.owners:
             await owner.member.stop(unpin=True)
             await owner.stop()

@@ -15,6 +15,7 @@ import os
 import signal
 from pathlib import Path
 
+from kcloak.broker.cluster.moves import moves_max_age_s, timer_params
 from kcloak.broker.cluster.topology import Layout
 from kcloak.broker.cluster.worker import Worker, default_name
 from kcloak.broker.config import Config
@@ -25,13 +26,21 @@ from kcloak.cloaking.cells import CellMap
 async def _main(args: argparse.Namespace) -> None:
     cells = CellMap.from_json(Path(args.cells).read_text()) if args.cells else CellMap([])
     layout = Layout(
-        partitions=args.partitions, cells=cells.cells, replicas=args.replicas, pinned_timeout_s=args.pinned_timeout
+        partitions=args.partitions,
+        cells=cells.cells,
+        replicas=args.replicas,
+        pinned_timeout_s=args.pinned_timeout,
+        moves_max_age_s=moves_max_age_s(args.publish_window_s or 900, args.max_update_age_s),
     )
     config = Config()
     config = dataclasses.replace(
         config,
         upstream=dataclasses.replace(config.upstream, url=args.upstream),
         storage=dataclasses.replace(config.storage, data_dir=args.data_dir),
+        cloaking=dataclasses.replace(config.cloaking, max_update_age_s=args.max_update_age_s),
+        publish=dataclasses.replace(
+            config.publish, window_s=args.publish_window_s, k=args.publish_k, delta_m=args.publish_delta_m
+        ),
     )
     metrics = Metrics(version="cluster", algorithm=config.cloaking.algorithm)
     worker = Worker(
@@ -42,6 +51,8 @@ async def _main(args: argparse.Namespace) -> None:
         metrics=metrics,
         name=args.name,
         debug_status=args.debug_status,
+        timer=timer_params(config, grace_s=args.publish_grace_s),
+        dask_scheduler=args.dask_scheduler,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -65,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default="./kcloak-data")
     parser.add_argument("--name", default=default_name())
     parser.add_argument("--debug-status", action="store_true")
+    parser.add_argument("--publish-window-s", type=int, default=0, help="window publication on a timer (0: off)")
+    parser.add_argument("--publish-k", type=int, default=5)
+    parser.add_argument("--publish-delta-m", type=float, default=500.0)
+    parser.add_argument("--publish-grace-s", type=float, default=2.0)
+    parser.add_argument("--max-update-age-s", type=float, default=120.0)
+    parser.add_argument("--dask-scheduler", default=None)
     profile_path = os.environ.get("KCLOAK_WORKER_PROFILE")
     if not profile_path:
         asyncio.run(_main(parser.parse_args(argv)))

@@ -121,6 +121,11 @@ def add_parser(sub: SubParsers) -> None:
     c.add_argument("--replicas", type=int, metavar="R", help="replicas of every stream and bucket: 1, 3 or 5 (3)")
     c.add_argument("--worker-name", metavar="NAME", help="this worker's name, unique in the cluster (hostname-pid)")
     c.add_argument(
+        "--dask-scheduler",
+        metavar="ADDR",
+        help="Dask scheduler (tcp://h1:8786) anonymizing the published windows (default: in this process)",
+    )
+    c.add_argument(
         "--gateway-only",
         action="store_true",
         help="run only the HTTP/MQTT gateway, no worker (more doors in front of the same workers)",
@@ -182,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.cluster is not None:
         return run_cluster(args, cfg, tokens)
-    for flag in ("cells", "partitions", "replicas", "worker_name"):
+    for flag in ("cells", "partitions", "replicas", "worker_name", "dask_scheduler"):
         if getattr(args, flag) is not None:
             print(f"kcloak serve: --{flag.replace('_', '-')} needs --cluster", file=sys.stderr)
             return 2
@@ -212,6 +217,7 @@ def run_cluster(args: argparse.Namespace, cfg: Config, tokens: TokenStore | None
     """``kcloak serve --cluster``: the gateway (and one worker) until SIGINT/SIGTERM."""
     import asyncio
 
+    from kcloak.broker.cluster.moves import moves_max_age_s
     from kcloak.broker.cluster.topology import Layout
     from kcloak.broker.config import ConfigError
     from kcloak.cloaking.cells import CellMap, CellMapError
@@ -232,6 +238,7 @@ def run_cluster(args: argparse.Namespace, cfg: Config, tokens: TokenStore | None
             partitions=16 if args.partitions is None else args.partitions,
             cells=cells.cells,
             replicas=3 if args.replicas is None else args.replicas,
+            moves_max_age_s=moves_max_age_s(cfg.publish.window_s, cfg.cloaking.max_update_age_s),
         )
     except (ConfigError, CellMapError) as exc:
         print(f"kcloak serve: {exc}", file=sys.stderr)
@@ -244,11 +251,20 @@ def run_cluster(args: argparse.Namespace, cfg: Config, tokens: TokenStore | None
         return 2
     setup_logging(cfg.log.level, cfg.log.format)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(_serve_cluster(cfg, tokens, urls, layout, cells, name, not args.gateway_only))
+        return runner.run(
+            _serve_cluster(cfg, tokens, urls, layout, cells, name, not args.gateway_only, args.dask_scheduler)
+        )
 
 
 async def _serve_cluster(
-    cfg: Config, tokens: TokenStore | None, urls: list[str], layout: Any, cells: Any, name: str, worker: bool
+    cfg: Config,
+    tokens: TokenStore | None,
+    urls: list[str],
+    layout: Any,
+    cells: Any,
+    name: str,
+    worker: bool,
+    dask_scheduler: str | None = None,
 ) -> int:
     import asyncio
 
@@ -257,7 +273,14 @@ async def _serve_cluster(
 
     try:
         gateway = ClusterGateway(
-            config=cfg, tokens=tokens, servers=urls, layout=layout, cells=cells, name=name, worker=worker
+            config=cfg,
+            tokens=tokens,
+            servers=urls,
+            layout=layout,
+            cells=cells,
+            name=name,
+            worker=worker,
+            dask_scheduler=dask_scheduler,
         )
         async with gateway:
             loop = asyncio.get_running_loop()

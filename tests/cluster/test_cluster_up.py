@@ -74,7 +74,14 @@ def test_cluster_up_without_workers_then_ctrl_c_stops_everything(tmp_path: Path)
         assert status.returncode == 0, status.stderr
         doc = json.loads(status.stdout)
         streams = {r["stream"]: r for r in doc["streams"]}
-        assert set(streams) == {"KCLOAK_IN", "KCLOAK_CELLS", "KCLOAK_CELLQ", "KCLOAK_ANSWERS", "KCLOAK_PUBLISHED"}
+        assert set(streams) == {
+            "KCLOAK_IN",
+            "KCLOAK_CELLS",
+            "KCLOAK_CELLQ",
+            "KCLOAK_ANSWERS",
+            "KCLOAK_MOVES",
+            "KCLOAK_PUBLISHED",
+        }
         assert all(r["state"] == "ok" and r["replicas"] == 3 for r in streams.values())
         names = [r["consumer"] for r in doc["consumers"]]
         assert names == ["in-0", "in-1", "in-2", "in-3", "cell-0", "cellq-0"]
