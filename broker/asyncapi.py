@@ -9,6 +9,7 @@ JSON Schema.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from kcloak import __version__
@@ -163,7 +164,7 @@ def broker_asyncapi() -> dict[str, Any]:
             "messages": [{"$ref": f"#/channels/{ch.name}/messages/{ch.name}"}],
             "bindings": {"mqtt": {"qos": ch.qos, "retain": ch.retain, "bindingVersion": "0.2.0"}},
         }
-    return {
+    document: dict[str, Any] = {
         "asyncapi": "3.0.0",
         "info": {
             "title": "kcloak MQTT interface",
@@ -198,3 +199,5 @@ def broker_asyncapi() -> dict[str, Any]:
             },
         },
     }
+    # a copy: the payload schemas are shared with the validators, and a caller may change its document
+    return copy.deepcopy(document)

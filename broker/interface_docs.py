@@ -51,8 +51,9 @@ def _type(schema: dict[str, Any]) -> str:
         return f"`{schema['const']!r}`".replace("'", '"')
     if "enum" in schema:
         return " \\| ".join(f"`{v}`" for v in schema["enum"])
-    if "oneOf" in schema:
-        return " or ".join(_type(x) for x in schema["oneOf"])
+    for key in ("oneOf", "anyOf"):
+        if key in schema:
+            return " or ".join(_type(x) for x in schema[key])
     kind = schema.get("type", "object")
     if isinstance(kind, list):
         kind = " or ".join(kind)
@@ -62,6 +63,9 @@ def _type(schema: dict[str, Any]) -> str:
 
 
 def _rule(schema: dict[str, Any]) -> str:
+    options = [x for x in schema.get("anyOf", ()) if x.get("type") != "null"]
+    if len(options) == 1:  # "X or null": the rule of X (null is the field left out)
+        return _rule(options[0])
     parts: list[str] = []
     lo = schema.get("minimum")
     xlo = schema.get("exclusiveMinimum")

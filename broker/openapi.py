@@ -8,6 +8,7 @@ validates the document with openapi-spec-validator and checks that it lists exac
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -324,7 +325,7 @@ def broker_openapi() -> dict[str, object]:
             for op in operations.values():
                 op["security"] = [{"bearer": []}]
         paths[path] = item
-    return {
+    document: dict[str, object] = {
         "openapi": "3.1.0",
         "info": {
             "title": "kcloak broker",
@@ -337,6 +338,8 @@ def broker_openapi() -> dict[str, object]:
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": paths,
     }
+    # a copy: the payload schemas are shared with the validators, and a caller may change its document
+    return copy.deepcopy(document)
 
 
 __all__ = ["OPEN_PATHS", "REASONS", "broker_openapi"]

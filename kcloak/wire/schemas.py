@@ -123,24 +123,36 @@ PROFILE_MESSAGE: Schema = {
     "properties": {"request_id": QUERY_ID, "profile": {"oneOf": [PROFILE, {"type": "null"}]}},
 }
 
+
+def _or_null(schema: Schema) -> Schema:
+    """``schema`` or JSON ``null``, which the validators read as the field left out."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_KIND: Schema = {"enum": list(QUERY_KINDS)}
 _QUERY_PROPERTIES: Schema = {
     "query_id": QUERY_ID,
-    "kind": {"enum": list(QUERY_KINDS)},
+    "kind": _or_null(_KIND),
     "radius_m": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_RADIUS_M, "description": "kind range"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_KNN_N, "description": "kind knn"},
-    "category": CATEGORY,
+    "category": _or_null(CATEGORY),
     "lat": LAT,
     "lon": LON,
     "t": TIME,
-    "profile": PROFILE,
+    "profile": _or_null(PROFILE),
     "continuous": {"type": "boolean", "description": "start a session"},
-    "session_id": SESSION_ID,
+    "session_id": _or_null(SESSION_ID),
     "stop": {"type": "boolean", "description": "stop the session session_id"},
 }
 
 
 def _requires(*names: str) -> Schema:
     return {"required": list(names)}
+
+
+def _has(name: str) -> Schema:
+    """``name`` is given and not null (a null is the field left out, as the validators read it)."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
 
 
 def _kind_is(kind: str) -> Schema:
@@ -156,10 +168,10 @@ _QUERY_RULES: list[Schema] = [
     # Without session_id (a one-shot query or a session start): kind and its parameter are
     # required and stop is not allowed.
     {
-        "if": {"not": _requires("session_id")},
+        "if": {"not": _has("session_id")},
         "then": {
             "required": ["kind"],
-            "properties": {"stop": {"const": False}},
+            "properties": {"kind": _KIND, "stop": {"const": False}},
             "allOf": [
                 {"if": _kind_is("range"), "then": _requires("radius_m")},
                 {"if": _kind_is("knn"), "then": _requires("n")},
@@ -168,8 +180,8 @@ _QUERY_RULES: list[Schema] = [
     },
     # With session_id (a refresh or a stop): not continuous and no profile override.
     {
-        "if": _requires("session_id"),
-        "then": {"properties": {"continuous": {"const": False}}, "not": _requires("profile")},
+        "if": _has("session_id"),
+        "then": {"properties": {"continuous": {"const": False}}, "not": _has("profile")},
     },
 ]
 QUERY: Schema = {
@@ -188,7 +200,10 @@ SESSION_START: Schema = {
     "type": "object",
     "additionalProperties": False,
     "required": ["query_id", "kind"],
-    "properties": {k: v for k, v in _QUERY_PROPERTIES.items() if k not in ("continuous", "session_id", "stop")},
+    "properties": {
+        **{k: v for k, v in _QUERY_PROPERTIES.items() if k not in ("continuous", "session_id", "stop")},
+        "kind": _KIND,
+    },
     "allOf": [
         *_QUERY_RULES[:3],
         {"if": _kind_is("range"), "then": _requires("radius_m")},

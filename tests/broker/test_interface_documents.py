@@ -111,3 +111,17 @@ def test_asyncapi_schema_refuses_a_broken_document(path: tuple[str, ...], value:
         node = node[key]
     node[path[-1]] = value
     assert not _asyncapi_validator().is_valid(doc)
+
+
+def test_changing_a_served_document_never_changes_the_validators_schemas() -> None:
+    """The documents embed the payload schemas the validators' tests use; a caller that edits its document
+    (as the test above does) must not edit them for everyone (it once turned the query schema's type into 5
+    for every later test in the process)."""
+    from kcloak.broker.asyncapi import broker_asyncapi
+    from kcloak.broker.openapi import broker_openapi
+
+    first_async, first_open = broker_asyncapi(), broker_openapi()
+    first_async["components"]["messages"]["query"]["payload"]["schema"]["type"] = 5
+    first_open["components"] = {"broken": True}
+    assert broker_asyncapi()["components"]["messages"]["query"]["payload"]["schema"]["type"] == "object"
+    assert broker_openapi()["components"] != {"broken": True}
