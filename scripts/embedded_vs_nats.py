@@ -42,6 +42,7 @@ from kcloak.broker.bench import (
     _paho_update_worker,
     _positions,
     _split,
+    _wait_port,
     instant_upstream,
     scrape,
     wait_healthy,
@@ -56,18 +57,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def wait_port(port: int, timeout_s: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} did not open")
 
 
 class Broker:
@@ -101,7 +90,7 @@ class Broker:
     def start(self) -> None:
         log = (self.workdir / f"{self.kind}.log").open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        wait_port(self.port)
+        _wait_port(self.port, 20.0)
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -152,7 +141,7 @@ class Kcloak:
         log = (self.data_dir.parent / "kcloak.log").open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
         wait_healthy(self.http_port, timeout=60)
-        wait_port(self.mqtt_port)
+        _wait_port(self.mqtt_port, 20.0)
 
     def kill9(self) -> None:
         assert self.proc is not None
