@@ -460,6 +460,12 @@ def _drive(
         "kcloak_cpu_us_per_query": per(k4 - k3, len(answered)),
         "nats_cpu_us_per_query": per(n4 - n3, len(answered)),
         "lbs_cpu_us_per_query": per(l4 - l3, len(answered)),
+        # the same net of what the processes burn idle (pulls, heartbeats) over the phase: at a low rate the idle
+        # cost of many pinned members is spread over few messages and grows with W by itself
+        "kcloak_busy_cpu_us_per_fix": per(max(0.0, k2 - k1 - idle_kc * fix_s), accepted),
+        "nats_busy_cpu_us_per_fix": per(max(0.0, n2 - n1 - idle_nats * fix_s), accepted),
+        "kcloak_busy_cpu_us_per_query": per(max(0.0, k4 - k3 - idle_kc * query_s), len(answered)),
+        "nats_busy_cpu_us_per_query": per(max(0.0, n4 - n3 - idle_nats * query_s), len(answered)),
         "idle_kcloak_cpu_s_per_s": round(idle_kc, 4),
         "idle_nats_cpu_s_per_s": round(idle_nats, 4),
         "fix_phase_s": round(fix_s, 2),
@@ -525,12 +531,14 @@ def extrapolate(row: dict[str, Any], skew: float, fix_rate: float, query_rate: f
 
 
 def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]:
-    """Growth of kcloak's CPU per message from the smallest to the largest W."""
+    """Growth of kcloak's CPU per message from the smallest to the largest W (and the same net of idle CPU)."""
     first, last = rows[0], rows[-1]
     out: dict[str, Any] = {"from_workers": first["workers"], "to_workers": last["workers"], "target": target}
     for kind in ("fix", "query"):
         a, b = first[f"kcloak_cpu_us_per_{kind}"], last[f"kcloak_cpu_us_per_{kind}"]
         out[kind] = round(b / a - 1.0, 4) if a and b else None
+        a, b = first.get(f"kcloak_busy_cpu_us_per_{kind}"), last.get(f"kcloak_busy_cpu_us_per_{kind}")
+        out[f"{kind}_net_of_idle"] = round(b / a - 1.0, 4) if a and b else None
     values = [out["fix"], out["query"]]
     if first["workers"] == last["workers"]:
         out["verdict"] = "not measured: one worker count"
@@ -646,7 +654,8 @@ def print_table(report: dict[str, Any]) -> None:
     ov = report["overhead"]
     out.print(
         f"coordination overhead W={ov['from_workers']}→{ov['to_workers']}: "
-        f"fix {ov['fix']}, query {ov['query']}: {ov['verdict']}"
+        f"fix {ov['fix']}, query {ov['query']}: {ov['verdict']}; net of idle CPU: "
+        f"fix {ov['fix_net_of_idle']}, query {ov['query_net_of_idle']}"
     )
     ex = report["extrapolation"]
     out.print(f"model: {ex['model']}")

@@ -42,6 +42,8 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert row["queries_ok"] + sum(row["queries_refused"].values()) == queries
     for key in ("kcloak_cpu_us_per_fix", "nats_cpu_us_per_fix", "kcloak_cpu_us_per_query", "nats_cpu_us_per_query"):
         assert row[key] > 0, key
+        busy = row[key.replace("_cpu_", "_busy_cpu_")]  # net of idle CPU: never more than the whole
+        assert busy is not None and 0 <= busy <= row[key], key
     assert report["overhead"]["verdict"].startswith("not measured")
     skew = report["skew"]
     populations = skew["cell_populations"]
