@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
@@ -39,38 +39,109 @@ class StartupError(BrokerError, RuntimeError):
     """The broker could not start (port in use, data directory locked, MQTT unreachable)."""
 
 
-class Broker:
+class Service:
+    """What one ``kcloak serve`` process is, alone (:class:`Broker`) or as a cluster node
+    (:class:`~kcloak.broker.cluster.gateway.ClusterGateway`): an async context manager that starts its parts
+    in :meth:`_start` on an exit stack, its HTTP and MQTT doors in front of a pipeline, and the graceful stop
+    of contract §9 (:meth:`shutdown`: no new intake, drain what is pending within
+    ``server.shutdown_grace_s``, then :meth:`wait_stopped` returns)."""
+
+    STOPPED_EVENT = "service_stopped"
+    pipeline: Any
+    """Set by :meth:`_start`: what the doors call, with ``closing``, ``begin_shutdown()`` and ``drain(s)``."""
+
+    def __init__(self, *, config: Config, tokens: TokenStore | None) -> None:
+        self.config = config
+        self.tokens = tokens
+        self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
+        self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
+        self.pipeline = None
+        self.http_port: int | None = None
+        self.mqtt_port: int | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            # The exit stack closes a TaskGroup without an exception, which waits for its tasks:
+            # cancel them first, or a startup failure (e.g. MQTT port in use) would hang forever.
+            await self._cancel_tasks()
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _listen_http(self, app: Any) -> None:
+        """Serve ``app`` (from :func:`~kcloak.broker.http_server.build_app`) on ``http.listen``."""
+        from kcloak.broker.http_server import HttpServer
+
+        host, port = parse_listen(self.config.http.listen)
+        server = HttpServer(
+            app, host=host, port=port, head_timeout_s=self.config.http.head_timeout_s, metrics=self.metrics
+        )
+        try:
+            await self._stack.enter_async_context(server)
+        except OSError as exc:
+            raise StartupError(f"HTTP: cannot listen on {host}:{port} ({exc.strerror})") from None
+        self.http_port = server.port
+
+    async def _listen_mqtt(self, door: Any) -> None:
+        """Run ``door``'s embedded MQTT server on ``mqtt.listen`` (port in use → :class:`StartupError` at once)."""
+        host, port = parse_listen(self.config.mqtt.listen)
+        server = door.embedded_server(host=host, port=port, tokens=self.tokens)
+        try:
+            await self._stack.enter_async_context(server)
+        except OSError as exc:
+            raise StartupError(f"MQTT: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        self.mqtt_port = server.port
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+
+    async def shutdown(self) -> None:
+        """Graceful stop: no new intake, finish or refuse what is pending, then exit."""
+        if self.pipeline is None or self.pipeline.closing:
+            return
+        log_event(log, "shutdown_started")
+        self.pipeline.begin_shutdown()
+        await self.pipeline.drain(self.config.server.shutdown_grace_s)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.pipeline is not None and not self.pipeline.closing:
+            await self.shutdown()
+        await self._stack.aclose()
+        log_event(log, self.STOPPED_EVENT)
+
+
+class Broker(Service):
     """The trusted anonymizer service.
 
     Keyword arguments: ``config`` (the effective :class:`Config`), ``tokens`` (a
     :class:`TokenStore`, or None for open mode; the embedded MQTT server authenticates with it too).
     """
 
-    def __init__(self, *, config: Config, tokens: TokenStore | None = None) -> None:
-        self.config = config
-        self.tokens = tokens
-        self.mqtt: Any = None
-        self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
-        self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
-        self._stack = contextlib.AsyncExitStack()
-        self._tg: asyncio.TaskGroup | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.pipeline: Pipeline | None = None
-        self.publication: WindowPublisher | None = None
-        self.http_port: int | None = None
-        self.mqtt_port: int | None = None
-        self._stopped = asyncio.Event()
+    STOPPED_EVENT = "broker_stopped"
+    pipeline: Pipeline | None
 
-    async def __aenter__(self) -> Broker:
-        try:
-            await self._start()
-        except BaseException:
-            # The exit stack closes the TaskGroup without an exception, which waits for its tasks:
-            # cancel them first, or a startup failure (e.g. MQTT port in use) would hang forever.
-            await self._cancel_tasks()
-            await self._stack.aclose()
-            raise
-        return self
+    def __init__(self, *, config: Config, tokens: TokenStore | None = None) -> None:
+        super().__init__(config=config, tokens=tokens)
+        self.mqtt: Any = None
+        self._tg: asyncio.TaskGroup | None = None
+        self.publication: WindowPublisher | None = None
 
     async def _start(self) -> None:
         cfg = self.config
@@ -100,20 +171,7 @@ class Broker:
             self._stack.push_async_callback(asyncio.to_thread, querylog.close)
         except StoreError as exc:
             raise StartupError(str(exc)) from None
-        token = None
-        if cfg.upstream.token_file:
-            token = Path(cfg.upstream.token_file).read_text(encoding="utf-8").strip()
-        upstream = await self._stack.enter_async_context(
-            UpstreamClient(
-                url=cfg.upstream.url,
-                timeout_s=cfg.upstream.timeout_s,
-                retries=cfg.upstream.retries,
-                deadline_s=cfg.upstream.deadline_s,
-                concurrency=cfg.upstream.concurrency,
-                token=token,
-                metrics=self.metrics,
-            )
-        )
+        upstream = await self._stack.enter_async_context(UpstreamClient.from_config(cfg.upstream, metrics=self.metrics))
         places = None
         if cfg.cloaking.algorithm == "privacygrid":
             places = PlacesLayer.from_pois(load_pois(cfg.cloaking.places or None))
@@ -148,23 +206,15 @@ class Broker:
         )
 
     async def _start_http(self) -> None:
-        from kcloak.broker.http_server import HttpServer, build_app
+        from kcloak.broker.http_server import build_app
 
         assert self.pipeline is not None
-        host, port = parse_listen(self.config.http.listen)
         app = build_app(self.pipeline, self.config, self.tokens, self.state)
         if self.publication is not None:
             from kcloak.broker.http_server import PUBLICATION
 
             app[PUBLICATION] = self.publication
-        server = HttpServer(
-            app, host=host, port=port, head_timeout_s=self.config.http.head_timeout_s, metrics=self.metrics
-        )
-        try:
-            await self._stack.enter_async_context(server)
-        except OSError as exc:
-            raise StartupError(f"HTTP: cannot listen on {host}:{port} ({exc.strerror})") from None
-        self.http_port = server.port
+        await self._listen_http(app)
 
     def _start_publication(self, data_dir: Path, movement: MovementStore) -> None:
         """Live trajectory windows (contract §7); the HTTP routes read them even when publication is off."""
@@ -196,14 +246,9 @@ class Broker:
         assert self.pipeline is not None and self._tg is not None
         cfg = self.config
         if cfg.mqtt.mode == "embedded":
-            host, port = parse_listen(cfg.mqtt.listen)
             door = MqttDoor(pipeline=self.pipeline, config=cfg, tokens_mode=self.tokens is not None, state=self.state)
-            server = door.embedded_server(host=host, port=port, tokens=self.tokens)
-            try:
-                await self._stack.enter_async_context(server)
-            except OSError as exc:
-                raise StartupError(f"MQTT: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-            port = server.port
+            await self._listen_mqtt(door)
+            where = f"{parse_listen(cfg.mqtt.listen)[0]}:{self.mqtt_port}"
         else:
             host, port, username = external_target(cfg)
             password = None
@@ -219,7 +264,8 @@ class Broker:
                 username=username,
                 password=password,
             )
-        self.mqtt_port = port
+            self.mqtt_port = port
+            where = f"{host}:{port}"
         self.mqtt = door
 
         async def publish_session_status(user: str, body: dict[str, Any]) -> None:
@@ -230,30 +276,4 @@ class Broker:
         try:
             await door.wait_connected(10.0)
         except TimeoutError:
-            raise StartupError(f"MQTT: broker at {host}:{port} unreachable for 10 s") from None
-
-    async def _cancel_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5.0)
-
-    async def shutdown(self) -> None:
-        """Graceful stop: no new intake, finish or refuse what is pending, then exit."""
-        if self.pipeline is None or self.pipeline.closing:
-            return
-        log_event(log, "shutdown_started")
-        self.pipeline.begin_shutdown()
-        await self.pipeline.drain(self.config.server.shutdown_grace_s)
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self.pipeline is not None and not self.pipeline.closing:
-            await self.shutdown()
-        await self._stack.aclose()
-        log_event(log, "broker_stopped")
+            raise StartupError(f"MQTT: broker at {where} unreachable for 10 s") from None

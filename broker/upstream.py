@@ -17,8 +17,9 @@ import random
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kcloak import __version__
 from kcloak.broker.errors import BrokerError
@@ -26,6 +27,9 @@ from kcloak.broker.metrics import Metrics
 from kcloak.core.places import Poi
 from kcloak.wire.http_client import HttpConnectionError, HttpPool, HttpProtocolError, HttpTimeout, Origin
 from kcloak.wire.payloads import parse_json_object
+
+if TYPE_CHECKING:
+    from kcloak.broker.config import UpstreamConfig
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
@@ -113,6 +117,20 @@ class UpstreamClient:
         self._sem = asyncio.Semaphore(concurrency)
         self.waiting = 0
         self.healthy: bool | None = None
+
+    @classmethod
+    def from_config(cls, cfg: UpstreamConfig, *, metrics: Metrics | None = None) -> UpstreamClient:
+        """The client ``[upstream]`` configures (its bearer token read from ``token_file`` when one is set)."""
+        token = Path(cfg.token_file).read_text(encoding="utf-8").strip() if cfg.token_file else None
+        return cls(
+            url=cfg.url,
+            timeout_s=cfg.timeout_s,
+            retries=cfg.retries,
+            deadline_s=cfg.deadline_s,
+            concurrency=cfg.concurrency,
+            token=token,
+            metrics=metrics,
+        )
 
     async def __aenter__(self) -> UpstreamClient:
         headers = [("User-Agent", f"kcloak/{__version__}")]

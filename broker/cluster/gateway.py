@@ -35,7 +35,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
@@ -51,10 +50,11 @@ from kcloak.broker.cluster.topology import (
     partition_of,
     subject_token,
 )
-from kcloak.broker.config import Config, parse_listen
+from kcloak.broker.config import Config
 from kcloak.broker.intake import FixResult
 from kcloak.broker.metrics import LATENCY_BUCKETS, Counter, Histogram, Metrics
 from kcloak.broker.pipeline import Pipeline, QueryOutcome
+from kcloak.broker.service import Service, StartupError
 from kcloak.broker.stores import StoreError
 from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
@@ -562,10 +562,13 @@ class ClusterPipeline:
         return False
 
 
-class ClusterGateway:
+class ClusterGateway(Service):
     """``kcloak serve --cluster``: NATS connection, layout, the doors, and (unless ``worker`` is False)
     one :class:`~kcloak.broker.cluster.worker.Worker`, as one async context manager like
-    :class:`~kcloak.broker.service.Broker`."""
+    :class:`~kcloak.broker.service.Broker` (the same :class:`~kcloak.broker.service.Service`)."""
+
+    STOPPED_EVENT = "gateway_stopped"
+    pipeline: ClusterPipeline | None
 
     def __init__(
         self,
@@ -580,10 +583,7 @@ class ClusterGateway:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         dask_scheduler: str | None = None,
     ) -> None:
-        from kcloak import __version__
-
-        self.config = config
-        self.tokens = tokens
+        super().__init__(config=config, tokens=tokens)
         self.servers = servers
         self.layout = layout
         self.cells = cells
@@ -591,30 +591,13 @@ class ClusterGateway:
         self.with_worker = worker
         self.dask_scheduler = dask_scheduler
         self.connect_timeout_s = connect_timeout_s
-        self.metrics = Metrics(version=__version__, algorithm=config.cloaking.algorithm)
-        self.state: dict[str, Any] = {"started": time.monotonic(), "mqtt": "none"}
-        self.pipeline: ClusterPipeline | None = None
         self.worker: Any = None
         self.nc: Any = None
-        self.http_port: int | None = None
-        self.mqtt_port: int | None = None
-        self._stack = contextlib.AsyncExitStack()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stopped = asyncio.Event()
 
     def where(self) -> str:
         shown = ", ".join(safe_endpoint(url) for url in self.servers[:3])
         more = len(self.servers) - 3
         return shown + (f" (and {more} more)" if more > 0 else "")
-
-    async def __aenter__(self) -> ClusterGateway:
-        try:
-            await self._start()
-        except BaseException:
-            await self._cancel_tasks()
-            await self._stack.aclose()
-            raise
-        return self
 
     async def _connect(self) -> Any:
         import nats
@@ -641,8 +624,6 @@ class ClusterGateway:
                     reconnected_cb=reconnected,
                 )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            from kcloak.broker.service import StartupError
-
             reason = f"cannot reach NATS at {self.where()} within {self.connect_timeout_s:g} s"
             raise StartupError(f"cluster: {reason} ({type(exc).__name__})") from None
         self.state["nats"] = "connected"
@@ -651,7 +632,6 @@ class ClusterGateway:
 
     async def _start(self) -> None:
         from kcloak.broker.cluster.topology import JetStreamApiError
-        from kcloak.broker.service import StartupError
 
         cfg = self.config
         self.nc = await self._connect()
@@ -702,52 +682,29 @@ class ClusterGateway:
         try:
             await worker.start()
         except Exception as exc:
-            from kcloak.broker.service import StartupError
-
             raise StartupError(f"cluster: the worker could not start ({type(exc).__name__})") from None
         self.worker = worker
         self._stack.push_async_callback(worker.stop)
 
     async def _start_mqtt(self) -> None:
         from kcloak.broker.mqtt import MqttDoor
-        from kcloak.broker.service import StartupError
 
         assert self.pipeline is not None
-        cfg = self.config
-        host, port = parse_listen(cfg.mqtt.listen)
         door = MqttDoor(
-            pipeline=cast(Pipeline, self.pipeline), config=cfg, tokens_mode=self.tokens is not None, state=self.state
+            pipeline=cast(Pipeline, self.pipeline),
+            config=self.config,
+            tokens_mode=self.tokens is not None,
+            state=self.state,
         )
-        server = door.embedded_server(host=host, port=port, tokens=self.tokens)
-        try:
-            await self._stack.enter_async_context(server)
-        except OSError as exc:
-            raise StartupError(f"MQTT: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-        self.mqtt_port = server.port
+        await self._listen_mqtt(door)
         self._tasks.append(asyncio.create_task(door.run(), name="mqtt"))
         await door.wait_connected(10.0)
 
     async def _start_http(self) -> None:
-        from kcloak.broker.http_server import HttpServer, build_app
-        from kcloak.broker.service import StartupError
+        from kcloak.broker.http_server import build_app
 
         assert self.pipeline is not None
-        host, port = parse_listen(self.config.http.listen)
-        app = build_app(cast(Pipeline, self.pipeline), self.config, self.tokens, self.state)
-        server = HttpServer(
-            app, host=host, port=port, head_timeout_s=self.config.http.head_timeout_s, metrics=self.metrics
-        )
-        try:
-            await self._stack.enter_async_context(server)
-        except OSError as exc:
-            raise StartupError(f"HTTP: cannot listen on {host}:{port} ({exc.strerror})") from None
-        self.http_port = server.port
-
-    async def _cancel_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5.0)
+        await self._listen_http(build_app(cast(Pipeline, self.pipeline), self.config, self.tokens, self.state))
 
     async def _close_nats(self) -> None:
         if self.nc is not None:
@@ -755,26 +712,6 @@ class ClusterGateway:
                 await asyncio.wait_for(self.nc.drain(), 5.0)
             with contextlib.suppress(Exception):
                 await self.nc.close()
-
-    async def shutdown(self) -> None:
-        """Graceful stop: no new intake, let what is in flight reach the stream, then exit."""
-        if self.pipeline is None or self.pipeline.closing:
-            return
-        log_event(log, "shutdown_started")
-        self.pipeline.begin_shutdown()
-        await self.pipeline.drain(self.config.server.shutdown_grace_s)
-        self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self.pipeline is not None and not self.pipeline.closing:
-            await self.shutdown()
-        await self._stack.aclose()
-        log_event(log, "gateway_stopped")
 
 
 __all__ = [

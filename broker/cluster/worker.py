@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 from kcloak.broker.cluster.moves import TimerParams, WindowTimer
@@ -110,17 +109,7 @@ class Worker:
             max_outstanding_pings=2,
         )
         await ensure_layout(self.nc, self.layout)
-        up = self.config.upstream
-        token = Path(up.token_file).read_text().strip() if up.token_file else None
-        self._upstream = UpstreamClient(
-            url=up.url,
-            timeout_s=up.timeout_s,
-            retries=up.retries,
-            deadline_s=up.deadline_s,
-            concurrency=up.concurrency,
-            token=token,
-            metrics=self.metrics,
-        )
+        self._upstream = UpstreamClient.from_config(self.config.upstream, metrics=self.metrics)
         await self._upstream.__aenter__()
         self._querylog = QueryLog(querylog_path(self.config, self.name))
         for p in range(self.layout.partitions):

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from kcloak.broker.auth import TokenStore
     from kcloak.broker.config import Config
+    from kcloak.broker.service import Service
     from kcloak.cli.main import SubParsers
 
 # kcloak.broker.auth, kcloak.broker.config (numpy through the profile) and asyncio are imported when the
@@ -266,13 +267,10 @@ async def _serve_cluster(
     worker: bool,
     dask_scheduler: str | None = None,
 ) -> int:
-    import asyncio
-
     from kcloak.broker.cluster.gateway import ClusterGateway
-    from kcloak.broker.service import StartupError
 
-    try:
-        gateway = ClusterGateway(
+    return await _run_until_stopped(
+        lambda: ClusterGateway(
             config=cfg,
             tokens=tokens,
             servers=urls,
@@ -282,12 +280,23 @@ async def _serve_cluster(
             worker=worker,
             dask_scheduler=dask_scheduler,
         )
-        async with gateway:
+    )
+
+
+async def _run_until_stopped(make: Callable[[], Service]) -> int:
+    """Start the service ``make`` builds, stop it gracefully on SIGINT/SIGTERM; 1 when it cannot start."""
+    import asyncio
+
+    from kcloak.broker.service import StartupError
+
+    try:
+        service = make()
+        async with service:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(gateway.shutdown()))
+                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.shutdown()))
             settle_gc()
-            await gateway.wait_stopped()
+            await service.wait_stopped()
     except StartupError as exc:
         log_event(log, "startup_failed", logging.ERROR, reason=str(exc))
         print(f"kcloak serve: {exc}", file=sys.stderr)
@@ -334,20 +343,6 @@ def settle_gc() -> None:
 
 
 async def _serve(cfg: Config, tokens: TokenStore | None) -> int:
-    import asyncio
+    from kcloak.broker.service import Broker
 
-    from kcloak.broker.service import Broker, StartupError
-
-    try:
-        broker = Broker(config=cfg, tokens=tokens)
-        async with broker:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: asyncio.ensure_future(broker.shutdown()))
-            settle_gc()
-            await broker.wait_stopped()
-    except StartupError as exc:
-        log_event(log, "startup_failed", logging.ERROR, reason=str(exc))
-        print(f"kcloak serve: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return await _run_until_stopped(lambda: Broker(config=cfg, tokens=tokens))
