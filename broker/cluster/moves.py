@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import functools
 import json
 import logging
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kcloak.broker.cluster.coordinator import WindowBusy, WindowCoordinator, WindowOutcome
+from kcloak.broker.cluster.pinned import read_to_end
 from kcloak.broker.cluster.topology import MOVES_STREAM, Layout, ensure_publication_layout, moves_filter
 from kcloak.broker.config import Config
 from kcloak.broker.publication import PI_S_MAX, Window, window_start
@@ -61,41 +61,15 @@ def move_body(token: str, t: float, lat: float, lon: float) -> bytes:
 async def read_window_moves(nc: Any, window: Window, *, read_from: float, timeout_s: float = 60.0) -> FixTable:
     """The window's fixes (``t_start ≤ t < t_end``) from ``KCLOAK_MOVES``, reading the messages stored at or
     after Unix time ``read_from`` up to the stream's end when the read starts; ``traj_id`` = user token."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    js = nc.jetstream()
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.BY_START_TIME,
-        opt_start_time=datetime.datetime.fromtimestamp(max(0.0, read_from), datetime.UTC),
-        ack_policy=AckPolicy.NONE,
-        filter_subject=moves_filter(),
-        inactive_threshold=30.0,
-        num_replicas=1,
-        mem_storage=True,
-    )
-    sub = await js.pull_subscribe(moves_filter(), stream=MOVES_STREAM, config=config)
     seen: dict[tuple[str, float], tuple[float, float]] = {}
-    try:
-        info = await sub.consumer_info()
-        pending = int(info.num_pending or 0)
-        deadline = time.monotonic() + timeout_s
-        while pending > 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError("reading the window's moves did not complete")
-            try:
-                msgs = await sub.fetch(min(pending, 1000), timeout=2.0)
-            except TimeoutError:
-                continue
-            for m in msgs:
-                pending = int(m.metadata.num_pending)
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    body = json.loads(m.data)
-                    t = float(body["t"])
-                    if window.t_start <= t < window.t_end:
-                        seen[(str(body["u"]), t)] = (float(body["lat"]), float(body["lon"]))
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    async for m in read_to_end(
+        nc, MOVES_STREAM, moves_filter(), start_time=read_from, timeout_s=timeout_s, what="reading the window's moves"
+    ):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(m.data)
+            t = float(body["t"])
+            if window.t_start <= t < window.t_end:
+                seen[(str(body["u"]), t)] = (float(body["lat"]), float(body["lon"]))
     keys = sorted(seen)
     return FixTable(
         np.array([k[0] for k in keys], dtype=str),

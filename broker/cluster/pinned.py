@@ -35,10 +35,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -564,43 +565,69 @@ def _headers(value: str | None) -> dict[str, str]:
     return out
 
 
-async def read_last_per_subject(
-    nc: Any, stream: str, filter_subject: str, *, timeout_s: float = 30.0
-) -> list[Delivered]:
-    """The last message of every subject matching ``filter_subject`` (an ephemeral consumer, deliver
-    ``last_per_subject``, no acks), in stream order: what a router or an owner rebuilds from."""
+async def read_to_end(
+    nc: Any,
+    stream: str,
+    filter_subject: str,
+    *,
+    last_per_subject: bool = False,
+    start_time: float | None = None,
+    timeout_s: float = 30.0,
+    what: str = "stream read",
+) -> AsyncIterator[Any]:
+    """The messages of ``stream`` on ``filter_subject`` up to the stream's end when the read starts, in stream
+    order, through an ephemeral consumer with no acks: every message, the last one of each subject
+    (``last_per_subject``), or those stored at or after Unix time ``start_time``. Raises TimeoutError naming
+    ``what`` when the read does not complete within ``timeout_s``."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    js = nc.jetstream()
+    if last_per_subject:
+        policy, start = DeliverPolicy.LAST_PER_SUBJECT, None
+    elif start_time is not None:
+        policy = DeliverPolicy.BY_START_TIME
+        start = datetime.datetime.fromtimestamp(max(0.0, start_time), datetime.UTC)
+    else:
+        policy, start = DeliverPolicy.ALL, None
     config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        deliver_policy=policy,
+        opt_start_time=start,
         ack_policy=AckPolicy.NONE,
         filter_subject=filter_subject,
         inactive_threshold=30.0,
         num_replicas=1,
         mem_storage=True,
     )
-    sub = await js.pull_subscribe(filter_subject, stream=stream, config=config)
-    out: list[Delivered] = []
+    sub = await nc.jetstream().pull_subscribe(filter_subject, stream=stream, config=config)
     try:
         info = await sub.consumer_info()
         pending = int(info.num_pending or 0)
         deadline = time.monotonic() + timeout_s
         while pending > 0:
             if time.monotonic() > deadline:
-                raise TimeoutError("rebuild read did not complete")
+                raise TimeoutError(f"{what} did not complete")
             try:
                 msgs = await sub.fetch(min(pending, 1000), timeout=2.0)
             except TimeoutError:
                 continue
             for m in msgs:
-                md = m.metadata
-                out.append(Delivered(md.sequence.stream, m.subject, dict(m.headers or {}), m.data, None))
-                pending = int(md.num_pending)
+                pending = int(m.metadata.num_pending)
+                yield m
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-    return out
+
+
+async def read_last_per_subject(
+    nc: Any, stream: str, filter_subject: str, *, timeout_s: float = 30.0
+) -> list[Delivered]:
+    """The last message of every subject matching ``filter_subject``, in stream order: what a router or an
+    owner rebuilds from."""
+    return [
+        Delivered(m.metadata.sequence.stream, m.subject, dict(m.headers or {}), m.data, None)
+        async for m in read_to_end(
+            nc, stream, filter_subject, last_per_subject=True, timeout_s=timeout_s, what="rebuild read"
+        )
+    ]
 
 
 __all__ = [
@@ -613,4 +640,5 @@ __all__ = [
     "parse_header_lines",
     "publish_durably",
     "read_last_per_subject",
+    "read_to_end",
 ]
