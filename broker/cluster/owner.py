@@ -136,8 +136,8 @@ class CellOwner:
             handler=self.apply,
             on_pinned=self.rebuild,
             on_unpinned=self.drop,
-            lease_s=layout.pinned_timeout_s / 2,
-            expires_s=min(1.0, layout.pinned_timeout_s / 4),
+            lease_s=layout.lease_s,
+            expires_s=layout.pull_expires_s,
             start_delay_s=start_delay_s,
         )
 
@@ -194,8 +194,8 @@ class CellOwner:
             CELLQ_STREAM,
             f"cellq-{self.cell}",
             handler=self.answer_batch,
-            lease_s=self.layout.pinned_timeout_s / 2,
-            expires_s=min(1.0, self.layout.pinned_timeout_s / 4),
+            lease_s=self.layout.lease_s,
+            expires_s=self.layout.pull_expires_s,
             catch_up=True,
             filter_subject=cellq_subject(self.cell),
             batch=512,

@@ -175,6 +175,17 @@ class Layout:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cluster.{name} must be > 0")
 
+    @property
+    def lease_s(self) -> float:
+        """How long a pinned member may go without an answered pull before it gives up its pin and its
+        state: half the consumer's ``priority_timeout``, so it has let go before a successor can be pinned."""
+        return self.pinned_timeout_s / 2
+
+    @property
+    def pull_expires_s(self) -> float:
+        """A pull's expiry: short enough that a live member answers well within its lease."""
+        return min(1.0, self.pinned_timeout_s / 4)
+
     def stream_configs(self) -> list[dict[str, Any]]:
         """The five streams as JetStream API configs (durations in nanoseconds)."""
         ns = 1_000_000_000
