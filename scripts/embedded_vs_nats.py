@@ -59,14 +59,35 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-class Broker:
+class Child:
+    """A child process that can be SIGKILLed, or stopped with SIGTERM and ``stop_grace_s`` to exit."""
+
+    stop_grace_s = 10.0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Broker(Child):
     """One MQTT broker process that can be SIGKILLed and restarted on the same store."""
 
     def __init__(self, kind: str, workdir: Path) -> None:
         self.kind = kind
         self.workdir = workdir
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
         if kind == "nats":
             binary = nats_server_binary()
             if binary is None:
@@ -92,23 +113,11 @@ class Broker:
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
         _wait_port(self.port, 20.0)
 
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-class Kcloak:
+class Kcloak(Child):
     """A ``kcloak serve`` child: its HTTP port, data directory and MQTT port (its own or the broker's)."""
+
+    stop_grace_s = 30.0
 
     def __init__(self, workdir: Path, upstream: str, broker: Broker | None) -> None:
         self.http_port = free_port()
@@ -135,27 +144,13 @@ class Kcloak:
             "warning",
             *mqtt,
         ]
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
 
     def start(self) -> None:
         log = (self.data_dir.parent / "kcloak.log").open("ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
         wait_healthy(self.http_port, timeout=60)
         _wait_port(self.mqtt_port, 20.0)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def accepted(self) -> float:
         metrics = scrape(self.http_port, timeout_s=60)
