@@ -120,6 +120,17 @@ class Served:
         assert status == 200
         return str(body)
 
+    def metrics_once(self, name: str, reached: float, timeout_s: float = 5.0, **labels: str) -> str:
+        """``/metrics`` once the sample ``name`` has reached ``reached`` (or after ``timeout_s``): one process
+        counts a fix before its PUBACK, a cluster node (``cluster_mode.py``) when its router has judged it just
+        after. The caller still asserts the exact value."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self.metrics()
+            if metric(text, name, **labels) >= reached or time.monotonic() > deadline:
+                return text
+            time.sleep(0.05)
+
     def kill9(self) -> None:
         """SIGKILL the broker (nothing of it may run on)."""
         with contextlib.suppress(ProcessLookupError):
