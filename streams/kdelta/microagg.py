@@ -13,7 +13,8 @@ the farthest one from it, the farthest from that and each seed's k − 1 nearest
 answered from fast distances (three matrix products over the resampled positions, :class:`_Fast`) that
 come with a rigorous error bound, then the few candidates the bound cannot separate are re-evaluated with
 the exact formula of :func:`p_contemporaneous_distances`. The decisions, hence the clusters, are those of
-the straightforward dense algorithm (ties to the lowest index); medoid sums are exact (``math.fsum``).
+the straightforward dense algorithm (ties to the lowest index); medoid sums are exact (``math.fsum``), and sums
+equal but for the rounding of shortest-path lengths (:data:`MEDOID_TIE_RTOL`) tie.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ B1 = npt.NDArray[np.bool_]
 EPS = float(np.finfo(np.float64).eps)
 ROW_BLOCK = 128
 """Rows per matrix-product block when a whole pass over the pairs is needed (bounds temporary memory)."""
+MEDOID_TIE_RTOL = 1e-9
+"""Medoid sums within this relative distance of the smallest are a tie, broken by the lowest index.
+
+Completed (shortest-path) distances are sums of edges, and two remaining trajectories can have equal sums
+by the graph's shape alone (each reaches the other's neighbours through the other); how a sum of path
+lengths rounds in its last bits is not a difference between them.
+"""
+
+
+def _medoid_of(sums: list[float], ids: list[int]) -> int:
+    """The lowest id among those whose exact sum is within :data:`MEDOID_TIE_RTOL` of the smallest."""
+    best = min(sums)
+    return min(i for i, v in zip(ids, sums, strict=True) if v <= best + MEDOID_TIE_RTOL * abs(best))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -313,7 +327,27 @@ def _completion(fast: _Fast) -> csr_matrix | None:
     vals = np.where(use, sp[np.maximum(where[ri], 0), ci], sp[np.maximum(where[ci], 0), ri])
     out = coo_matrix((vals, (ri, ci)), shape=(n, n)).tocsr()
     out.sum_duplicates()
-    return out
+    # The exact distances are symmetric and equal for identical trajectories; rounding alone does not give
+    # the completed values that (a fast distance just below a rounding boundary in one row, just above it
+    # in its twin's, made the twins' medoid sums differ: the dense algorithm ties them, lowest index first).
+    # So every incomparable pair reads the value of its canonical pair: (lowest, highest) representative.
+    rep = _representatives(fast.sm)
+    lo, hi = np.minimum(rep[ri], rep[ci]), np.maximum(rep[ri], rep[ci])
+    canon = coo_matrix((np.asarray(out[lo, hi]).ravel(), (ri, ci)), shape=(n, n)).tocsr()
+    canon.sum_duplicates()
+    return canon
+
+
+def _representatives(sm: _Samples) -> I64:
+    """For each trajectory, the lowest index of those with identical samples (the same distances to all)."""
+    n = len(sm.s)
+    key = np.ascontiguousarray(
+        np.concatenate([sm.pos.reshape(n, -1), sm.valid.astype(np.float64), sm.s[:, None], sm.e[:, None]], axis=1)
+    )
+    rows = key.view(np.dtype((np.void, key.shape[1] * key.itemsize))).ravel()  # bytes: NaN equals NaN
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    rep: I64 = first[inverse.ravel()].astype(np.int64)
+    return rep
 
 
 def _vertex_cover(ri: I64, ci: I64, n: int) -> I64:
@@ -363,11 +397,12 @@ class _Mdav:
         cand = self.cols.idx[self._live()]
         lo = self.row_sum[cand] - self.row_err[cand]
         hi = self.row_sum[cand] + self.row_err[cand]
-        close = cand[lo <= hi.min()]
+        top = hi.min()
+        close = cand[lo <= top + MEDOID_TIE_RTOL * abs(top)]
         if len(close) == 1:
             return int(close[0])
         sums = [math.fsum(self.fast.exact(int(i), cand).tolist()) for i in close.tolist()]
-        return int(close[int(np.argmin(sums))])
+        return _medoid_of(sums, close.tolist())
 
     def farthest(self, src: int) -> int:
         live = self._live()
@@ -412,7 +447,8 @@ def mdav_groups(d: F64, k: int) -> list[I64]:
     """MDAV (§8.10) on a dense distance matrix, with the medoid of the remaining records as their centroid.
 
     The dense statement of the clustering :func:`microaggregate` performs (§7.5 ⚠): the medoid minimizes the
-    exact (``math.fsum``) sum of distances to the remaining records; ties go to the lowest index everywhere.
+    exact (``math.fsum``) sum of distances to the remaining records (sums within :data:`MEDOID_TIE_RTOL` tie); ties
+    go to the lowest index everywhere.
     """
     n = len(d)
     alive = np.ones(n, bool)
@@ -432,7 +468,7 @@ def mdav_groups(d: F64, k: int) -> list[I64]:
 
     def medoid() -> int:
         cand = np.flatnonzero(alive)
-        return int(cand[np.argmin([math.fsum(d[i, cand].tolist()) for i in cand.tolist()])])
+        return _medoid_of([math.fsum(d[i, cand].tolist()) for i in cand.tolist()], cand.tolist())
 
     while np.count_nonzero(alive) >= 3 * k:
         r = farthest(medoid())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, dijkstra
@@ -95,7 +95,9 @@ def _reference_clusters(trajs: list[Trajectory], k: int, grid_points: int = 64) 
 
     def medoid() -> int:
         cand = live()
-        return min(cand, key=lambda i: (math.fsum(sub[i, j] for j in cand), i))
+        sums = {i: math.fsum(sub[i, j] for j in cand) for i in cand}
+        best = min(sums.values())
+        return min(i for i in cand if sums[i] <= best * (1 + 1e-9))  # equal but for rounding: lowest index
 
     while alive.sum() >= 3 * k:
         first = farthest(medoid())
@@ -135,6 +137,9 @@ def _random_trajectories(seed: int, n: int, *, spans: str, duplicates: int) -> l
     duplicates=st.integers(0, 6),
     grid_points=st.sampled_from([8, 64]),
 )
+# two trajectories whose sums of completed distances tie by the graph's shape (found by this test)
+@example(seed=227486, n=12, k=2, spans="scattered", duplicates=2, grid_points=8)
+@example(seed=919823450, n=15, k=2, spans="scattered", duplicates=2, grid_points=8)
 def test_fast_clusters_equal_dense_reference(
     seed: int, n: int, k: int, spans: str, duplicates: int, grid_points: int
 ) -> None:
