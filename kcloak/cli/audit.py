@@ -6,14 +6,13 @@ import argparse
 import csv
 import json
 import math
-import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kcloak.cli._progress import phase_progress
 from kcloak.cli.main import UsageError
-from kcloak.core.names import InputFormat, KDeltaMethod, SpatialAlgorithm, values
+from kcloak.core.names import InputFormat, SpatialAlgorithm, values
 
 if TYPE_CHECKING:
     from kcloak.cli.main import SubParsers
@@ -25,7 +24,6 @@ DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
 DEFAULT_SYNTHETIC_USERS = 3000
 FORMATS: tuple[str, ...] = values(InputFormat)
 SPATIAL_ALGORITHMS: tuple[str, ...] = values(SpatialAlgorithm)
-TRAJECTORY_METHODS = values(KDeltaMethod)
 
 
 def add_parser(subparsers: SubParsers) -> None:
@@ -105,9 +103,12 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _seed(value: int | None) -> int:
-    if value is not None and value < 0:
-        raise UsageError("--seed: must be non-negative")
-    return value if value is not None else secrets.randbelow(2**31)
+    from kcloak.streams.attacks import LinkageError, audit_seed
+
+    try:
+        return audit_seed(value)
+    except LinkageError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run_audit_cloaking(args: argparse.Namespace) -> int:
@@ -200,20 +201,20 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kcloak.core.readers import ReaderError, read_fixes
-    from kcloak.streams.attacks import LinkageError, audit_trajectories, write_trajectory_figures
+    from kcloak.streams.attacks import (
+        LinkageError,
+        audit_trajectories,
+        check_audit_params,
+        write_trajectory_figures,
+    )
     from kcloak.streams.kdelta import KDeltaError
 
-    if args.k < 1:
-        raise UsageError("--k: must be at least 1")
-    if not (math.isfinite(args.delta) and args.delta >= 0):
-        raise UsageError("--delta: must be a finite number of metres ≥ 0")
     ms = _ints(args.m, "--m")
-    if any(m < 1 for m in ms):
-        raise UsageError("--m: every m must be at least 1")
     methods = tuple(dict.fromkeys(x.strip() for x in args.methods.split(",") if x.strip()))
-    for mth in methods:
-        if mth not in TRAJECTORY_METHODS:
-            raise UsageError(f"--methods: unknown method {mth!r} (known: {', '.join(TRAJECTORY_METHODS)})")
+    try:
+        check_audit_params(k=args.k, delta_m=args.delta, ms=ms, methods=methods)
+    except LinkageError as exc:
+        raise UsageError(str(exc)) from None
     seed = _seed(args.seed)
     mapping = read_mapping(args.mapping) if args.mapping else None
     try:
