@@ -76,16 +76,17 @@ class _Shape:
     movingpandas: bool = False
 
 
-def _ids(values: Sequence[Any], pd: Any) -> list[str | None]:
+def _ids(column: Any, pd: Any) -> list[str | None]:
     """Trajectory ids as text (``None`` when missing); integral floats (an id column with gaps) as integers."""
-    out: list[str | None] = []
-    for v in values:
-        if v is None or (not isinstance(v, str) and bool(pd.isna(v))):
-            out.append(None)
-        elif isinstance(v, float | np.floating) and float(v).is_integer():
-            out.append(str(int(v)))
-        else:
-            out.append(str(v))
+    if pd.api.types.is_float_dtype(column.dtype):
+        values = column.to_numpy(dtype=np.float64, na_value=np.nan)
+        whole = np.isfinite(values) & (values == np.floor(values))
+        text = np.where(whole, np.where(whole, values, 0).astype(np.int64).astype(str), values.astype(str))
+        out: list[str | None] = text.tolist()
+    else:
+        out = [v if isinstance(v, str) else str(v) for v in column.tolist()]
+    for i in np.flatnonzero(column.isna().to_numpy()):
+        out[i] = None
     return out
 
 
@@ -114,7 +115,7 @@ def _fixes(
         raise ReaderError(f"{what}: columns must name {', '.join(names)} (missing: {', '.join(missing)})")
     t, is_datetime, tz = _seconds(data[t_col], pd)
     b = FixBuilder()
-    b.add_columns(_ids(data[traj_id_col].tolist(), pd), t, data[lat_col].tolist(), data[lon_col].tolist())
+    b.add_columns(_ids(data[traj_id_col], pd), t, data[lat_col].tolist(), data[lon_col].tolist())
     return b.build(), _Shape(traj_id_col, t_col, lat_col, lon_col, is_datetime, tz)
 
 
@@ -130,7 +131,7 @@ def _movingpandas_fixes(collection: Any, pd: Any) -> tuple[FixTable, _Shape]:
     lon = np.where(empty, np.nan, geometry.x.where(~empty))
     t, _, tz = _seconds(pd.Series(points.index), pd)
     b = FixBuilder()
-    b.add_columns(_ids(points[id_col].tolist(), pd), t, lat.tolist(), lon.tolist())
+    b.add_columns(_ids(points[id_col], pd), t, lat.tolist(), lon.tolist())
     return b.build(), _Shape(id_col, t_name, "lat", "lon", True, tz, movingpandas=True)
 
 

@@ -276,7 +276,17 @@ def test_a_trajectory_collection_comes_back_as_one(tmp_path: Path) -> None:
     plain = pd.read_csv(src)
     base = kcloak.anonymize(plain, k=3, delta=1000, seed=4)
     timed = plain.assign(t=pd.to_datetime(plain["t"], unit="s"))
-    collection = mpd.TrajectoryCollection(timed, traj_id_col="traj_id", t="t", x="lon", y="lat", crs="EPSG:4326")
+    broken = pd.DataFrame(  # a point without latitude and one beyond ±180°: bad rows, as in a CSV
+        {
+            "traj_id": ["v0", "v1"],
+            "t": pd.to_datetime([T0 + 30] * 2, unit="s"),
+            "lat": [np.nan, 39.9],
+            "lon": [116.4, 200],
+        }
+    )
+    collection = mpd.TrajectoryCollection(
+        pd.concat([timed, broken], ignore_index=True), traj_id_col="traj_id", t="t", x="lon", y="lat", crs="EPSG:4326"
+    )
 
     def points(tc: Any) -> list[tuple[str, float, float, float]]:
         gdf = tc.to_point_gdf()
@@ -286,6 +296,7 @@ def test_a_trajectory_collection_comes_back_as_one(tmp_path: Path) -> None:
 
     res = kcloak.anonymize(collection, k=3, delta=1000, seed=4)
     assert isinstance(res.published, mpd.TrajectoryCollection)
+    assert res.n_bad_rows == 2
     assert len(res.published) == base.report["n_out"]
     assert points(res.published) == sorted(frame_fixes(base.published))
 

@@ -107,8 +107,15 @@ class FixBuilder:
         """``add`` for whole columns of equal length (values already in memory, e.g. a DataFrame's)."""
         if not len(traj_id) == len(t) == len(lat) == len(lon):
             raise ValueError("columns of unequal length")
-        for row in zip(traj_id, t, lat, lon, strict=True):
-            self.add(*row)
+        if any(None in column for column in (traj_id, t, lat, lon)):
+            for row in zip(traj_id, t, lat, lon, strict=True):
+                self.add(*row)
+            return
+        # no value is None (checked above); the filters only tell the type checker
+        self._ids.extend(i.strip() for i in traj_id if i is not None)
+        self._t.extend(v for v in t if v is not None)
+        self._lat.extend(v for v in lat if v is not None)
+        self._lon.extend(v for v in lon if v is not None)
 
     def build(self) -> FixTable:
         n = len(self._ids)
