@@ -42,7 +42,7 @@ TrajectoryFrame = Any
 def _pandas() -> Any:
     try:
         import pandas as pd
-    except ImportError as exc:  # pragma: no cover - pandas comes with the dataframes and dev extras
+    except ImportError as exc:
         raise ImportError(f"kcloak's Python API needs pandas: {EXTRA_HINT}") from exc
     return pd
 

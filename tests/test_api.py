@@ -324,3 +324,17 @@ def test_import_kcloak_loads_the_api_only_on_use() -> None:
     assert out.splitlines() == ["", "True []"]
     with pytest.raises(AttributeError, match="no attribute 'anonymise'"):
         kcloak.anonymise  # noqa: B018
+
+
+def test_without_pandas_a_call_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['pandas'] = None  # as if pandas were not installed\n"
+        "import kcloak\n"
+        "try:\n"
+        "    kcloak.anonymize(object(), k=3, delta=100.0)\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "kcloak's Python API needs pandas: pip install 'kcloak[dataframes]'"
