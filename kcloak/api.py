@@ -421,12 +421,83 @@ def audit(
     return frame
 
 
+CLOAKING_AUDIT_COLUMNS: tuple[str, ...] = (
+    "algorithm",
+    "k",
+    "attack",
+    "success_rate",
+    "baseline",
+    "tolerance",
+    "trials",
+    "holds",
+    "refused",
+    "area_m2_median",
+)
+"""Columns of :func:`audit_cloaking`'s DataFrame, one row per algorithm, k and attack."""
+
+
+def audit_cloaking(
+    data: TrajectoryFrame | None = None,
+    *,
+    algorithms: Sequence[str] | None = None,
+    k: Sequence[int] = (5, 10, 20),
+    snapshots: int = 20,
+    queries: int = 1000,
+    observed_fraction: float = 0.1,
+    users: int | None = None,
+    seed: int | None = None,
+    traj_id_col: str = "traj_id",
+    t_col: str = "t",
+    lat_col: str = "lat",
+    lon_col: str = "lon",
+) -> Any:
+    """What an attacker who knows the algorithm and every present user's position learns from the cloaked
+    regions: ``kcloak audit cloaking``.
+
+    Each algorithm (all six by default) cloaks a request of every present user at every snapshot; the
+    attacks (centre, boundary, observation, restricted_space, homogeneity, query_tracking_naive,
+    query_tracking_session) then target ``queries`` requests. The population is ``snapshots``
+    successive snapshots of the trace ``data`` (a DataFrame or collection of fixes), or of a synthetic
+    clustered city of ``users`` (3,000) around Beijing when ``data`` is ``None``.
+
+    Returns a DataFrame with the columns :data:`CLOAKING_AUDIT_COLUMNS`: ``success_rate`` next to
+    ``baseline`` (1/k) and ``tolerance`` (the 99.9 % Wilson bound of a rate equal to 1/k over ``trials``,
+    minus 1/k); ``holds`` is whether ``success_rate ≤ baseline + tolerance`` (missing without trials).
+    ``.attrs`` holds ``seed`` and ``world`` (the population's description).
+    """
+    from kcloak.cloaking.audit import AuditConfig, audit_world, check_population, run_audit
+    from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS
+    from kcloak.streams.attacks import audit_seed
+
+    pd = _pandas()
+    check_population(snapshots=snapshots, users=users, with_data=data is not None, observed_fraction=observed_fraction)
+    seed = audit_seed(seed)
+    config = AuditConfig(
+        algorithms=tuple(dict.fromkeys(SPATIAL_ALGORITHMS if algorithms is None else algorithms)),
+        ks=tuple(dict.fromkeys(k)),
+        queries=queries,
+        observed_fraction=observed_fraction,
+        seed=seed,
+    )
+    fixes = None if data is None else _fixes(data, traj_id_col, t_col, lat_col, lon_col)[0]
+    world = audit_world(fixes, users=users, snapshots=snapshots, seed=seed, source="DataFrame")
+    report = run_audit(world, config)
+    rows = [{**r.detailed(), "holds": r.holds} for r in report.rows]
+    frame = pd.DataFrame([[r[c] for c in CLOAKING_AUDIT_COLUMNS] for r in rows], columns=list(CLOAKING_AUDIT_COLUMNS))
+    frame = frame.astype({"success_rate": "float64", "baseline": "float64", "tolerance": "float64", "holds": "boolean"})
+    frame.attrs["seed"] = seed
+    frame.attrs["world"] = dict(report.world)
+    return frame
+
+
 __all__ = [
     "AUDIT_COLUMNS",
+    "CLOAKING_AUDIT_COLUMNS",
     "EXTRA_HINT",
     "Anonymized",
     "Released",
     "anonymize",
     "audit",
+    "audit_cloaking",
     "release",
 ]

@@ -338,3 +338,38 @@ def test_without_pandas_a_call_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "kcloak's Python API needs pandas: pip install 'kcloak[dataframes]'"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "trace"])
+def test_audit_cloaking_rows_are_the_command_json_rows(tmp_path: Path, source: str) -> None:
+    common = ["--snapshots", "3", "--queries", "40", "--k", "5", "--algorithms", "hilbert,casper", "--seed", "1"]
+    if source == "synthetic":
+        flags, data = ["--users", "300"], None
+    else:
+        write_fixes(tmp_path / "fixes.csv", 60)
+        flags, data = ["--data", "fixes.csv"], pd.read_csv(tmp_path / "fixes.csv")
+    run = kcloak_cli("audit", "cloaking", *flags, *common, "--json", "--no-progress", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    cli = json.loads(run.stdout)["results"]
+
+    frame = kcloak.audit_cloaking(
+        data,
+        users=300 if data is None else None,
+        snapshots=3,
+        queries=40,
+        k=[5],
+        algorithms=["hilbert", "casper"],
+        seed=1,
+    )
+
+    assert tuple(frame.columns) == kcloak.api.CLOAKING_AUDIT_COLUMNS
+    assert len(frame) == len(cli) == 14  # 2 algorithms × 7 attacks
+    assert (frame["trials"] > 0).sum() >= 10 and frame["success_rate"].notna().sum() >= 10  # attacks really ran
+    for mine, theirs in zip(frame.to_dict("records"), cli, strict=True):
+        for key in ("algorithm", "k", "attack", "trials", "baseline"):
+            assert mine[key] == theirs[key], key
+        for key in ("success_rate", "tolerance"):
+            assert math.isnan(mine[key]) if theirs[key] is None else mine[key] == theirs[key], key
+        if theirs["success_rate"] is not None:
+            assert mine["holds"] == (theirs["success_rate"] <= theirs["baseline"] + theirs["tolerance"])
+    assert frame.attrs["seed"] == 1

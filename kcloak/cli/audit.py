@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,19 +112,26 @@ def _seed(value: int | None) -> int:
 
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
-    from kcloak.cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
+    from kcloak.cloaking.audit import (
+        AuditConfig,
+        AuditError,
+        audit_world,
+        check_population,
+        run_audit,
+        write_figures,
+    )
     from kcloak.core.readers import ReaderError, read_fixes
 
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
     ks = _ints(args.k, "--k")
-    if args.snapshots < 1:
-        raise UsageError("--snapshots: must be at least 1")
-    if args.users is not None and (args.data is not None or args.users < 2):
-        raise UsageError("--users: at least 2, and only without --data")
-    if not (math.isfinite(args.observed_fraction) and 0 <= args.observed_fraction <= 1):
-        raise UsageError("--observed-fraction: must be within [0, 1]")
-    seed = _seed(args.seed)
     try:
+        check_population(
+            snapshots=args.snapshots,
+            users=args.users,
+            with_data=args.data is not None,
+            observed_fraction=args.observed_fraction,
+        )
+        seed = _seed(args.seed)
         config = AuditConfig(
             algorithms=algorithms,
             ks=ks,
@@ -133,10 +139,9 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
             observed_fraction=args.observed_fraction,
             seed=seed,
         )
-        if args.data is None:
-            world = synthetic_world(args.users or DEFAULT_SYNTHETIC_USERS, frames=args.snapshots, seed=seed)
-        else:
-            world = trace_world(read_fixes(args.data), frames=args.snapshots, seed=seed, source=Path(args.data).name)
+        fixes = None if args.data is None else read_fixes(args.data)
+        source = Path(args.data).name if args.data else "data"
+        world = audit_world(fixes, users=args.users, snapshots=args.snapshots, seed=seed, source=source)
     except (AuditError, ReaderError) as exc:
         raise UsageError(str(exc)) from None
     with phase_progress(not args.no_progress and sys.stderr.isatty()) as bar:
