@@ -20,6 +20,7 @@ has the kind and the column names that went in.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ EXTRA_HINT = "pip install 'kcloak[dataframes]'"
 """The one-line hint when pandas or movingpandas is missing."""
 
 TrajectoryFrame = Any
+Int = int | np.integer[Any]
+"""An integer parameter: a Python ``int`` or a numpy integer (as it comes out of a DataFrame)."""
 """A pandas ``DataFrame`` of fixes or a movingpandas ``TrajectoryCollection`` (pandas has no type stubs here)."""
 
 
@@ -55,6 +58,11 @@ def _movingpandas() -> Any:
     except ImportError as exc:
         raise ImportError(f"a TrajectoryCollection needs movingpandas: {EXTRA_HINT}") from exc
     return mpd
+
+
+def _int(value: Any) -> Any:
+    """A numpy integer as a Python ``int`` (reports are JSON); anything else unchanged, for the checks to judge."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def _is_movingpandas(data: object) -> bool:
@@ -192,11 +200,11 @@ class Anonymized:
 def anonymize(
     data: TrajectoryFrame,
     *,
-    k: int,
+    k: Int,
     delta: float,
     method: str = "nwa",
     trash_max: float = 0.1,
-    seed: int | None = None,
+    seed: Int | None = None,
     pi_s: float = 60.0,
     tau_s: float | None = None,
     distance: str = "edr",
@@ -221,9 +229,10 @@ def anonymize(
     """
     from kcloak.streams.publish import anonymize as run
 
+    group_k: int = _int(k)
     check_anonymize_params(
         method=method,
-        k=k,
+        k=group_k,
         delta_m=delta,
         trash_max=trash_max,
         pi_s=pi_s,
@@ -236,10 +245,10 @@ def anonymize(
     rel = run(
         fixes,
         method=method,
-        k=k,
+        k=group_k,
         delta_m=delta,
         trash_max=trash_max,
-        seed=seed,
+        seed=_int(seed),
         tau_s=tau_s,
         distance=distance,
         pi_s=pi_s,
@@ -285,15 +294,15 @@ def release(
     data: TrajectoryFrame,
     table: str,
     *,
-    k: int,
-    l: int | None = None,  # noqa: E741 - the model's name
+    k: Int,
+    l: Int | None = None,  # noqa: E741 - the model's name
     l_kind: LKind = "distinct",
     c: float | None = None,
     t: float | None = None,
-    m: int | None = None,
+    m: Int | None = None,
     algorithm: str | None = None,
     max_suppression: float = 0.01,
-    seed: int | None = None,
+    seed: Int | None = None,
     pois: str | Path | None = None,
     stay_radius_m: float = 200.0,
     stay_min_s: float = 1200.0,
@@ -325,7 +334,15 @@ def release(
     except ValueError:
         raise TableError(f"table: must be one of {', '.join(TableKind)}") from None
     params = ReleaseParams(
-        k=k, algorithm=algorithm, l=l, l_kind=l_kind, c=c, t=t, m=m, max_suppression=max_suppression, seed=seed
+        k=_int(k),
+        algorithm=algorithm,
+        l=_int(l),
+        l_kind=l_kind,
+        c=c,
+        t=t,
+        m=_int(m),
+        max_suppression=max_suppression,
+        seed=_int(seed),
     )
     options = BuildOptions(stay_radius_m=stay_radius_m, stay_min_s=stay_min_s, place_precision=place_precision)
     check_params(kind, params)
@@ -359,12 +376,12 @@ def audit(
     published: Anonymized | TrajectoryFrame,
     original: TrajectoryFrame,
     *,
-    k: int | None = None,
+    k: Int | None = None,
     delta: float | None = None,
-    m: Sequence[int] = (1, 2, 3),
+    m: Sequence[Int] = (1, 2, 3),
     mapping: Mapping[str, str] | None = None,
     methods: Sequence[str] = (),
-    seed: int | None = None,
+    seed: Int | None = None,
     traj_id_col: str = "traj_id",
     t_col: str = "t",
     lat_col: str = "lat",
@@ -394,15 +411,23 @@ def audit(
         published = published.published
     if k is None or delta is None:
         raise LinkageError("--k and --delta: give the k and delta of the publication")
-    ms = tuple(dict.fromkeys(m))
+    group_k: int = _int(k)
+    ms = tuple(dict.fromkeys(_int(x) for x in m))
     chosen = tuple(dict.fromkeys(methods))
-    check_audit_params(k=k, delta_m=delta, ms=ms, methods=chosen)
-    seed = audit_seed(seed)
+    check_audit_params(k=group_k, delta_m=delta, ms=ms, methods=chosen)
+    seed = audit_seed(_int(seed))
     columns = (traj_id_col, t_col, lat_col, lon_col)
     pub, _ = _fixes(published, *columns, what="published")
     orig, _ = _fixes(original, *columns, what="original")
     result = audit_trajectories(
-        orig, pub, k=k, delta_m=delta, ms=ms, mapping=dict(mapping) if mapping else None, methods=chosen, seed=seed
+        orig,
+        pub,
+        k=group_k,
+        delta_m=delta,
+        ms=ms,
+        mapping=dict(mapping) if mapping else None,
+        methods=chosen,
+        seed=seed,
     )
     rows = [r.detailed() for r in result.rows]
     frame = pd.DataFrame([[r[c] for c in AUDIT_COLUMNS] for r in rows], columns=list(AUDIT_COLUMNS))
@@ -440,12 +465,12 @@ def audit_cloaking(
     data: TrajectoryFrame | None = None,
     *,
     algorithms: Sequence[str] | None = None,
-    k: Sequence[int] = (5, 10, 20),
+    k: Sequence[Int] = (5, 10, 20),
     snapshots: int = 20,
     queries: int = 1000,
     observed_fraction: float = 0.1,
     users: int | None = None,
-    seed: int | None = None,
+    seed: Int | None = None,
     traj_id_col: str = "traj_id",
     t_col: str = "t",
     lat_col: str = "lat",
@@ -471,10 +496,10 @@ def audit_cloaking(
 
     pd = _pandas()
     check_population(snapshots=snapshots, users=users, with_data=data is not None, observed_fraction=observed_fraction)
-    seed = audit_seed(seed)
+    seed = audit_seed(_int(seed))
     config = AuditConfig(
         algorithms=tuple(dict.fromkeys(SPATIAL_ALGORITHMS if algorithms is None else algorithms)),
-        ks=tuple(dict.fromkeys(k)),
+        ks=tuple(dict.fromkeys(_int(x) for x in k)),
         queries=queries,
         observed_fraction=observed_fraction,
         seed=seed,

@@ -98,7 +98,8 @@ def test_anonymize_publishes_what_the_command_writes(tmp_path: Path, method: str
     cli_rows = csv_fixes(tmp_path / "out.csv")
     cli_report = json.loads((tmp_path / "rep.json").read_text())
 
-    result = kcloak.anonymize(pd.read_csv(src), k=3, delta=1000, method=method, seed=7)
+    # numpy scalars, as they come out of a DataFrame, are numbers like any other
+    result = kcloak.anonymize(pd.read_csv(src), k=np.int64(3), delta=np.float64(1000), method=method, seed=np.int64(7))
 
     assert isinstance(result, kcloak.Anonymized)
     assert list(result.published.columns) == ["traj_id", "t", "lat", "lon"]
