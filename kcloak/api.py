@@ -1,11 +1,11 @@
 """kcloak's Python API: anonymize, release and audit trajectories held in pandas DataFrames.
 
-``import kcloak`` exposes :func:`anonymize`, :func:`release` and :func:`audit` (loaded on first use, so
-``import kcloak`` stays cheap); docs/python-api.md has a worked example. Each function is the command
-of the same name on data in memory: the same parameter checks, the same reader checks (a row with a
-missing, unparsable, non-finite or out-of-range value, or a repeated ``(traj_id, t)``, is skipped and
-counted in ``n_bad_rows``), the same algorithms and the same reports, so
-``kcloak.anonymize(df, k=5, delta=500, seed=1)`` publishes what ``kcloak anonymize file.csv --k 5
+``import kcloak`` exposes :func:`anonymize`, :func:`release`, :func:`audit` and :func:`audit_cloaking`
+(loaded on first use, so ``import kcloak`` stays cheap); docs/python-api.md has a worked example. Each
+function is the command of the same name on data in memory: the same parameter checks, the same reader
+checks (a row with a missing, unparsable, non-finite or out-of-range value, or a repeated
+``(traj_id, t)``, is skipped and counted in ``n_bad_rows``), the same algorithms and the same reports,
+so ``kcloak.anonymize(df, k=5, delta=500, seed=1)`` publishes what ``kcloak anonymize file.csv --k 5
 --delta 500 --seed 1`` writes for the same rows. Errors are the command line's: the exceptions derive
 from :class:`kcloak.core.errors.InputError` (bad input, the command's exit 2) or are a refusal
 (:class:`~kcloak.streams.publish.NotPublished`, ``ReleaseUnsatisfiable``, ``NothingToRelease``: exit 1),
@@ -37,9 +37,9 @@ EXTRA_HINT = "pip install 'kcloak[dataframes]'"
 """The one-line hint when pandas or movingpandas is missing."""
 
 TrajectoryFrame = Any
+"""A pandas ``DataFrame`` of fixes or a movingpandas ``TrajectoryCollection`` (pandas has no type stubs here)."""
 Int = int | np.integer[Any]
 """An integer parameter: a Python ``int`` or a numpy integer (as it comes out of a DataFrame)."""
-"""A pandas ``DataFrame`` of fixes or a movingpandas ``TrajectoryCollection`` (pandas has no type stubs here)."""
 
 
 def _pandas() -> Any:
