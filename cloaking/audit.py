@@ -523,6 +523,27 @@ def cloak_world(
     )
 
 
+def check_population(*, snapshots: int, users: int | None, with_data: bool, observed_fraction: float) -> None:
+    """The population flags of ``kcloak audit cloaking`` (and of :func:`kcloak.audit_cloaking`), checked
+    before any work: :class:`AuditError` naming the flag as the command line spells it."""
+    if snapshots < 1:
+        raise AuditError("--snapshots: must be at least 1")
+    if users is not None and (with_data or users < 2):
+        raise AuditError("--users: at least 2, and only without --data")
+    if not (math.isfinite(observed_fraction) and 0 <= observed_fraction <= 1):
+        raise AuditError("--observed-fraction: must be within [0, 1]")
+
+
+def audit_world(
+    fixes: FixTable | None, *, users: int | None = None, snapshots: int = 20, seed: int = 0, source: str = "data"
+) -> World:
+    """The population of ``kcloak audit cloaking``: ``snapshots`` snapshots of the trace ``fixes``, or of a
+    synthetic city of ``users`` (default :data:`DEFAULT_SYNTHETIC_USERS`) when ``fixes`` is ``None``."""
+    if fixes is None:
+        return synthetic_world(users or DEFAULT_SYNTHETIC_USERS, frames=snapshots, seed=seed)
+    return trace_world(fixes, frames=snapshots, seed=seed, source=source)
+
+
 def run_audit(world: World, config: AuditConfig, *, progress: Progress | None = None) -> AuditReport:
     """Every attack of ``config`` against every algorithm and k (see module doc)."""
     prog = progress if progress is not None else NullProgress()
@@ -653,6 +674,8 @@ __all__ = [
     "AuditError",
     "AuditReport",
     "AuditRow",
+    "audit_world",
+    "check_population",
     "cloak_world",
     "forward_all",
     "homes_from_trace",

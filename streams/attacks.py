@@ -20,6 +20,7 @@ trajectories passing within δ of all m points at the same instants hide it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,6 +318,33 @@ def _rows(
     return rows
 
 
+def check_audit_params(*, k: int, delta_m: float, ms: Sequence[int], methods: Sequence[str]) -> None:
+    """The parameter checks of ``kcloak audit trajectories`` (and of :func:`kcloak.audit`): :class:`LinkageError`
+    naming the option as the command line spells it."""
+    from kcloak.streams.publish import METHODS
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise LinkageError("--k: must be at least 1")
+    if not (math.isfinite(delta_m) and delta_m >= 0):
+        raise LinkageError("--delta: must be a finite number of metres ≥ 0")
+    if not ms:
+        raise LinkageError("--m: give at least one value")
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
+        raise LinkageError("--m: every m must be at least 1")
+    for method in methods:
+        if method not in METHODS:
+            raise LinkageError(f"--methods: unknown method {method!r} (known: {', '.join(METHODS)})")
+
+
+def audit_seed(seed: int | None) -> int:
+    """The seed an audit runs with: ``seed`` (≥ 0) or a random one, which the report then records."""
+    import secrets
+
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise LinkageError("--seed: must be non-negative")
+    return seed if seed is not None else secrets.randbelow(2**31)
+
+
 def audit_trajectories(
     original: Any,
     published: Any,
@@ -482,7 +510,9 @@ __all__ = [
     "LinkageRisk",
     "LinkageRow",
     "TrajectoryAudit",
+    "audit_seed",
     "audit_trajectories",
+    "check_audit_params",
     "mean_translation_m",
     "victim_sample",
     "write_trajectory_figures",

@@ -7,6 +7,7 @@ ids or cluster construction order. Shuffles and ids come from ``secrets`` unless
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 import time
@@ -19,14 +20,66 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.core.geometry import haversine_m_array
-from kcloak.core.names import KDeltaMethod, values
+from kcloak.core.names import KDeltaMethod, TrajectoryDistance, values
 from kcloak.core.readers import FixTable
+from kcloak.streams.errors import StreamsError
 from kcloak.streams.kdelta import KDeltaError, KDeltaResult, SmallClass
 from kcloak.streams.quality import RANGE_QUERIES, range_query_distortions, translation_m
 from kcloak.streams.trajectory import Trajectory, fixes_of, split_too_short, trajectories_from_fixes
 
 METHODS: tuple[str, ...] = values(KDeltaMethod)
 """Methods :func:`anonymize` runs (contract §9 ``--method``)."""
+DISTANCES: tuple[str, ...] = values(TrajectoryDistance)
+"""W4M's edit distances (``--distance``)."""
+
+
+class NotPublished(StreamsError, RuntimeError):
+    """A release refused as a whole (too few trajectories, or a trash over ``trash_max``): the command
+    line's exit 1. ``report`` holds the contract §7 report fields of the refused release."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def check_anonymize_params(
+    *,
+    method: str,
+    k: int,
+    delta_m: float,
+    trash_max: float,
+    pi_s: float,
+    tau_s: float | None = None,
+    distance: str = "edr",
+    max_time_shift_s: float | None = None,
+    max_radius: float | None = None,
+) -> None:
+    """The parameter checks of ``kcloak anonymize`` (and of :func:`kcloak.anonymize`): :class:`KDeltaError`
+    naming the option as the command line spells it (``--trash-max`` is the keyword ``trash_max``)."""
+
+    def finite_at_least_0(x: float | None) -> bool:
+        return x is None or (math.isfinite(x) and x >= 0)
+
+    if method not in METHODS:
+        raise KDeltaError(f"--method: must be one of {', '.join(METHODS)}")
+    if distance not in DISTANCES:
+        raise KDeltaError(f"--distance: must be one of {', '.join(DISTANCES)}")
+    if not finite_at_least_0(tau_s):
+        raise KDeltaError("--tau-s: must be a finite number of seconds ≥ 0")
+    if not finite_at_least_0(max_time_shift_s):
+        raise KDeltaError("--max-time-shift-s: must be a finite number of seconds ≥ 0")
+    if not finite_at_least_0(max_radius):
+        raise KDeltaError("--max-radius: must be a finite number ≥ 0")
+    if method == "w4m" and max_radius is not None and max_radius > 1:
+        raise KDeltaError("--max-radius: w4m's radius is a normalized distance within [0, 1]")
+    if not (math.isfinite(pi_s) and pi_s > 0):
+        raise KDeltaError("--pi-s: must be a finite number of seconds > 0")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        raise KDeltaError("--k: must be an integer ≥ 2")
+    if not finite_at_least_0(delta_m):
+        raise KDeltaError("--delta: must be a finite number of metres ≥ 0")
+    if not 0 <= trash_max < 1:
+        raise KDeltaError("--trash-max: must be within [0, 1)")
 
 
 def _rng(seed: int | None) -> random.Random:
@@ -246,6 +299,9 @@ class Release:
     small_classes: tuple[SmallClass, ...] = ()
     """The classes (NWA) or time-connected groups (W4M) smaller than k, with their spans: for the operator's
     console only (the report carries their sizes, not their spans)."""
+    trash: tuple[str, ...] = ()
+    """The input ids of the trajectories never published: for the data's owner only (the report carries
+    their count and reasons, not their ids)."""
 
 
 def anonymize(
@@ -385,14 +441,17 @@ def release_of(
         seed=seed,
         range_queries=range_queries,
     )
-    return Release(ok, table, mapping, report, result.small_classes)
+    return Release(ok, table, mapping, report, result.small_classes, result.trash)
 
 
 __all__ = [
+    "DISTANCES",
     "METHODS",
+    "NotPublished",
     "Release",
     "anonymization_report",
     "anonymize",
+    "check_anonymize_params",
     "fresh_ids",
     "other_methods",
     "publish_rows",

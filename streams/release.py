@@ -21,7 +21,7 @@ from kcloak.cloaking.tabular.km import KmAlgorithm, KmError, KmUnsatisfiable, re
 from kcloak.core.errors import InputError
 from kcloak.streams.errors import StreamsError
 from kcloak.streams.publish import fresh_ids
-from kcloak.streams.tables import BEFORE_COLUMNS, IDENTIFIERS, Table, TableKind
+from kcloak.streams.tables import BEFORE_COLUMNS, IDENTIFIERS, Table, TableError, TableKind
 
 LKind = Literal["distinct", "entropy", "recursive"]
 
@@ -75,6 +75,26 @@ class ReleaseError(StreamsError, InputError, ValueError):
 
 class ReleaseUnsatisfiable(StreamsError, RuntimeError):
     """The privacy requirements cannot be met within the suppression budget (exit 1)."""
+
+
+class NothingToRelease(StreamsError, RuntimeError):
+    """The trajectories yield no row of the table (exit 1): the message says why."""
+
+
+def check_not_empty(table: Table, name: str, *, from_table_rows: bool) -> None:
+    """Refuse a built table without rows: :class:`TableError` (exit 2) when no input row was usable
+    (``from_table_rows``: the source held the table itself), :class:`NothingToRelease` (exit 1) when
+    usable trajectories yield no row. ``name`` names the source in the message."""
+    if len(table):
+        return
+    if from_table_rows or table.n_trajectories == 0:
+        raise TableError(f"{name}: no usable input rows ({table.n_bad_rows} bad rows)")
+    if table.kind is TableKind.QUERYLOG:
+        raise NothingToRelease(f"{name} holds no forwarded query")
+    raise NothingToRelease(
+        f"no {table.kind.value} rows in the {table.n_trajectories} trajectories of {name} (stay points:"
+        " see --stay-radius-m and --stay-min-s)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,11 +294,13 @@ __all__ = [
     "QUASI_IDENTIFIERS",
     "REPORTED_QIS",
     "SENSITIVE",
+    "NothingToRelease",
     "ReleaseError",
     "ReleaseOutcome",
     "ReleaseParams",
     "ReleaseUnsatisfiable",
     "after_columns",
+    "check_not_empty",
     "check_params",
     "release_table",
 ]

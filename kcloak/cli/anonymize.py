@@ -6,16 +6,13 @@ import argparse
 import contextlib
 import csv
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from kcloak import __version__
 from kcloak.cli.main import SubParsers, UsageError
-from kcloak.core.names import InputFormat, KDeltaMethod, TrajectoryDistance, values
-
-CONTRACT_METHODS = values(KDeltaMethod)
+from kcloak.core.names import InputFormat, TrajectoryDistance, values
 
 # Spelled out so that building the ``kcloak`` parser imports neither numpy nor scipy; a test checks
 # it against kcloak.streams.kdelta.w4m.DEFAULT_TAU_S. The algorithms are imported when the command runs.
@@ -85,28 +82,28 @@ def run(args: argparse.Namespace) -> int:
 
     from kcloak.core.readers import ReaderError, read_fixes, write_contract_csv
     from kcloak.streams.kdelta import KDeltaError
-    from kcloak.streams.publish import METHODS, anonymize, other_methods, refusal_reason, small_class_lines
+    from kcloak.streams.publish import (
+        anonymize,
+        check_anonymize_params,
+        other_methods,
+        refusal_reason,
+        small_class_lines,
+    )
 
-    if args.method not in CONTRACT_METHODS:
-        raise UsageError(f"--method: must be one of {', '.join(CONTRACT_METHODS)}")
-    if args.method not in METHODS:
-        raise UsageError(f"--method {args.method}: not available in this version")
-    if args.tau_s is not None and not (math.isfinite(args.tau_s) and args.tau_s >= 0):
-        raise UsageError("--tau-s: must be a finite number of seconds ≥ 0")
-    if args.max_time_shift_s is not None and not (math.isfinite(args.max_time_shift_s) and args.max_time_shift_s >= 0):
-        raise UsageError("--max-time-shift-s: must be a finite number of seconds ≥ 0")
-    if args.max_radius is not None and not (math.isfinite(args.max_radius) and args.max_radius >= 0):
-        raise UsageError("--max-radius: must be a finite number ≥ 0")
-    if args.method == "w4m" and args.max_radius is not None and args.max_radius > 1:
-        raise UsageError("--max-radius: w4m's radius is a normalized distance within [0, 1]")
-    if not (math.isfinite(args.pi_s) and args.pi_s > 0):
-        raise UsageError("--pi-s: must be a finite number of seconds > 0")
-    if args.k < 2:
-        raise UsageError("--k: must be an integer ≥ 2")
-    if not math.isfinite(args.delta) or args.delta < 0:
-        raise UsageError("--delta: must be a finite number of metres ≥ 0")
-    if not 0 <= args.trash_max < 1:
-        raise UsageError("--trash-max: must be within [0, 1)")
+    try:
+        check_anonymize_params(
+            method=args.method,
+            k=args.k,
+            delta_m=args.delta,
+            trash_max=args.trash_max,
+            pi_s=args.pi_s,
+            tau_s=args.tau_s,
+            distance=args.distance,
+            max_time_shift_s=args.max_time_shift_s,
+            max_radius=args.max_radius,
+        )
+    except KDeltaError as exc:
+        raise UsageError(str(exc)) from None
     for flag, target in (("-o", args.output), ("--report", args.report), ("--mapping", args.mapping)):
         if target is not None and not Path(target).resolve().parent.is_dir():
             raise UsageError(f"{flag} {target}: its folder does not exist")

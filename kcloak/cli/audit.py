@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
-import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kcloak.cli._progress import phase_progress
 from kcloak.cli.main import UsageError
-from kcloak.core.names import InputFormat, KDeltaMethod, SpatialAlgorithm, values
+from kcloak.core.names import InputFormat, SpatialAlgorithm, values
 
 if TYPE_CHECKING:
     from kcloak.cli.main import SubParsers
@@ -25,7 +23,6 @@ DEFAULT_KS: tuple[int, ...] = (5, 10, 20)
 DEFAULT_SYNTHETIC_USERS = 3000
 FORMATS: tuple[str, ...] = values(InputFormat)
 SPATIAL_ALGORITHMS: tuple[str, ...] = values(SpatialAlgorithm)
-TRAJECTORY_METHODS = values(KDeltaMethod)
 
 
 def add_parser(subparsers: SubParsers) -> None:
@@ -105,26 +102,36 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _seed(value: int | None) -> int:
-    if value is not None and value < 0:
-        raise UsageError("--seed: must be non-negative")
-    return value if value is not None else secrets.randbelow(2**31)
+    from kcloak.streams.attacks import LinkageError, audit_seed
+
+    try:
+        return audit_seed(value)
+    except LinkageError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
-    from kcloak.cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
+    from kcloak.cloaking.audit import (
+        AuditConfig,
+        AuditError,
+        audit_world,
+        check_population,
+        run_audit,
+        write_figures,
+    )
     from kcloak.core.readers import ReaderError, read_fixes
 
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
     ks = _ints(args.k, "--k")
-    if args.snapshots < 1:
-        raise UsageError("--snapshots: must be at least 1")
-    if args.users is not None and (args.data is not None or args.users < 2):
-        raise UsageError("--users: at least 2, and only without --data")
-    if not (math.isfinite(args.observed_fraction) and 0 <= args.observed_fraction <= 1):
-        raise UsageError("--observed-fraction: must be within [0, 1]")
-    seed = _seed(args.seed)
     try:
+        check_population(
+            snapshots=args.snapshots,
+            users=args.users,
+            with_data=args.data is not None,
+            observed_fraction=args.observed_fraction,
+        )
+        seed = _seed(args.seed)
         config = AuditConfig(
             algorithms=algorithms,
             ks=ks,
@@ -132,10 +139,9 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
             observed_fraction=args.observed_fraction,
             seed=seed,
         )
-        if args.data is None:
-            world = synthetic_world(args.users or DEFAULT_SYNTHETIC_USERS, frames=args.snapshots, seed=seed)
-        else:
-            world = trace_world(read_fixes(args.data), frames=args.snapshots, seed=seed, source=Path(args.data).name)
+        fixes = None if args.data is None else read_fixes(args.data)
+        source = Path(args.data).name if args.data else "data"
+        world = audit_world(fixes, users=args.users, snapshots=args.snapshots, seed=seed, source=source)
     except (AuditError, ReaderError) as exc:
         raise UsageError(str(exc)) from None
     with phase_progress(not args.no_progress and sys.stderr.isatty()) as bar:
@@ -200,20 +206,20 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kcloak.core.readers import ReaderError, read_fixes
-    from kcloak.streams.attacks import LinkageError, audit_trajectories, write_trajectory_figures
+    from kcloak.streams.attacks import (
+        LinkageError,
+        audit_trajectories,
+        check_audit_params,
+        write_trajectory_figures,
+    )
     from kcloak.streams.kdelta import KDeltaError
 
-    if args.k < 1:
-        raise UsageError("--k: must be at least 1")
-    if not (math.isfinite(args.delta) and args.delta >= 0):
-        raise UsageError("--delta: must be a finite number of metres ≥ 0")
     ms = _ints(args.m, "--m")
-    if any(m < 1 for m in ms):
-        raise UsageError("--m: every m must be at least 1")
     methods = tuple(dict.fromkeys(x.strip() for x in args.methods.split(",") if x.strip()))
-    for mth in methods:
-        if mth not in TRAJECTORY_METHODS:
-            raise UsageError(f"--methods: unknown method {mth!r} (known: {', '.join(TRAJECTORY_METHODS)})")
+    try:
+        check_audit_params(k=args.k, delta_m=args.delta, ms=ms, methods=methods)
+    except LinkageError as exc:
+        raise UsageError(str(exc)) from None
     seed = _seed(args.seed)
     mapping = read_mapping(args.mapping) if args.mapping else None
     try:

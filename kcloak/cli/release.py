@@ -138,7 +138,15 @@ def _say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kcloak.core.places import PoiFileError, PoiSet, load_pois
-    from kcloak.streams.release import ReleaseError, ReleaseParams, ReleaseUnsatisfiable, check_params, release_table
+    from kcloak.streams.release import (
+        NothingToRelease,
+        ReleaseError,
+        ReleaseParams,
+        ReleaseUnsatisfiable,
+        check_not_empty,
+        check_params,
+        release_table,
+    )
     from kcloak.streams.tables import BuildOptions, TableError, TableKind, build_table, source_format
 
     kind = TableKind(args.table)
@@ -174,18 +182,11 @@ def run(args: argparse.Namespace) -> int:
         task = bar.add_task(_STAGES[0], total=len(_STAGES)) if bar is not None else None
         try:
             table = build_table(args.input, kind, fmt=args.format, options=options, pois=pois)
+            check_not_empty(table, Path(args.input).name, from_table_rows=source == "table")
         except TableError as exc:
             raise UsageError(str(exc)) from None
-        name = Path(args.input).name
-        if len(table) == 0:
-            if source == "table" or table.n_trajectories == 0:
-                raise UsageError(f"{name}: no usable input rows ({table.n_bad_rows} bad rows)")
-            if kind is TableKind.QUERYLOG:
-                why = f"{name} holds no forwarded query"
-            else:
-                why = f"no {kind.value} rows in the {table.n_trajectories} trajectories of {name} (stay points:"
-                why += " see --stay-radius-m and --stay-min-s)"
-            _say(f"kcloak: error: nothing to release: {why}; nothing written")
+        except NothingToRelease as exc:
+            _say(f"kcloak: error: nothing to release: {exc}; nothing written")
             return 1
         if bar is not None and task is not None:
             bar.update(task, advance=1, description=f"{_STAGES[1]} {len(table)} rows")

@@ -81,11 +81,11 @@ class FixBuilder:
     def __init__(self) -> None:
         self._ids: list[str] = []
         self._t: list[str | float] = []
-        self._lat: list[str] = []
-        self._lon: list[str] = []
+        self._lat: list[str | float] = []
+        self._lon: list[str | float] = []
         self._bad = 0
 
-    def add(self, traj_id: str | None, t: str | float | None, lat: str | None, lon: str | None) -> None:
+    def add(self, traj_id: str | None, t: str | float | None, lat: str | float | None, lon: str | float | None) -> None:
         if traj_id is None or t is None or lat is None or lon is None:
             self._bad += 1
             return
@@ -96,6 +96,26 @@ class FixBuilder:
 
     def bad(self, n: int = 1) -> None:
         self._bad += n
+
+    def add_columns(
+        self,
+        traj_id: Sequence[str | None],
+        t: Sequence[str | float | None],
+        lat: Sequence[str | float | None],
+        lon: Sequence[str | float | None],
+    ) -> None:
+        """``add`` for whole columns of equal length (values already in memory, e.g. a DataFrame's)."""
+        if not len(traj_id) == len(t) == len(lat) == len(lon):
+            raise ValueError("columns of unequal length")
+        if any(None in column for column in (traj_id, t, lat, lon)):
+            for row in zip(traj_id, t, lat, lon, strict=True):
+                self.add(*row)
+            return
+        # no value is None (checked above); the filters only tell the type checker
+        self._ids.extend(i.strip() for i in traj_id if i is not None)
+        self._t.extend(v for v in t if v is not None)
+        self._lat.extend(v for v in lat if v is not None)
+        self._lon.extend(v for v in lon if v is not None)
 
     def build(self) -> FixTable:
         n = len(self._ids)
@@ -129,7 +149,7 @@ def _floats(values: Sequence[str | float]) -> F64:
 def _float_or_nan(v: str | float) -> float:
     try:
         return float(v)
-    except ValueError:
+    except (ValueError, TypeError):
         return float("nan")
 
 
