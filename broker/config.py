@@ -148,7 +148,7 @@ class MapConfig:
 
     min_k: int = _c(10, "density cells with fewer users are hidden (≥ profile.k)")
     cell_deg: float = _c(0.01, "density grid cell side, degrees")
-    region_age_s: float = _c(30.0, "cloaked regions shown this long")
+    region_age_s: float = _c(15.0, "cloaked regions shown this long")
     streets: str = _c("", "GeoJSON LineStrings drawn under the map")
 
 

@@ -23,7 +23,7 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
-from kcloak.broker.config import Config
+from kcloak.broker.config import Config, ConfigError
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.livemap import FRAME_PERIOD_S, MAX_VIEWERS, LiveMap
 from kcloak.broker.metrics import Metrics
@@ -583,7 +583,10 @@ def _livemap(request: web.Request) -> LiveMap:
 
 
 async def map_streets(request: web.Request) -> web.Response:
-    streets = _livemap(request).streets
+    try:
+        streets = await asyncio.to_thread(_livemap(request).streets)
+    except ConfigError as exc:
+        raise HttpError(ReasonCode.NOT_FOUND, str(exc)) from None
     body = streets if streets is not None else {"lines": [], "bbox": None}
     return web.json_response(body, dumps=lambda obj: json.dumps(obj, separators=(",", ":")))
 

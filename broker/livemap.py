@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from collections import deque
@@ -40,6 +41,9 @@ import numpy as np
 from kcloak.broker.config import Config, ConfigError
 from kcloak.broker.metrics import Metrics
 from kcloak.cloaking.index import IndexView
+from kcloak.core.logs import log_event
+
+log = logging.getLogger("kcloak.map")
 
 REGION_GRID_DEG: Final = 0.001
 """Region bounds are rounded outward to multiples of this (degrees) and sent as multiples of it."""
@@ -90,7 +94,8 @@ class LiveMap:
 
     Keyword arguments: ``config`` (``[map]``, ``profile.k``), ``metrics`` (the counters read),
     ``positions`` (present users, for the density grid), ``clock`` (wall clock of the pipeline).
-    Raises :class:`kcloak.broker.config.ConfigError` when ``map.streets`` cannot be read.
+    Raises :class:`kcloak.broker.config.ConfigError` when ``map.streets`` exists but holds no street
+    lines (a file that does not exist yet is read when it appears, see :meth:`streets`).
     """
 
     def __init__(
@@ -103,14 +108,27 @@ class LiveMap:
         self.metrics = metrics
         self.positions = positions
         self.clock = clock
-        self.streets = load_streets(mc.streets) if mc.streets else None
+        self._streets_path = Path(mc.streets) if mc.streets else None
+        self._streets: dict[str, Any] | None = None
+        if self._streets_path is not None and self._streets_path.exists():
+            self._streets = load_streets(self._streets_path)  # a bad file stops the start
+        elif self._streets_path is not None:
+            log_event(log, "map_streets_absent", logging.WARNING, note="map.streets is read once the file exists")
         self._regions: deque[tuple[float, int, int, int, int, int]] = deque(maxlen=4 * MAX_REGIONS)
         self._latencies: deque[tuple[float, float]] = deque(maxlen=100_000)
         self._updates: deque[tuple[float, float]] = deque()
         self._frame: tuple[float, bytes] | None = None
         self._windows: tuple[float, list[dict[str, Any]]] | None = None
+        self._windows_seen = 0.0
         self._lock = asyncio.Lock()
         self.viewers = 0
+
+    def streets(self) -> dict[str, Any] | None:
+        """The street lines of ``map.streets``, or None; a file written after the start (``kcloak
+        demo`` writes its streets while the broker starts) is read once it is there."""
+        if self._streets is None and self._streets_path is not None and self._streets_path.exists():
+            self._streets = load_streets(self._streets_path)
+        return self._streets
 
     # -- fed by the query path (cheap: one append) ----------------------------------------------
     def region(self, bbox: Sequence[float], k_achieved: int) -> None:
@@ -139,7 +157,9 @@ class LiveMap:
     async def _recent_windows(self, windows: _Windows | None, now: float) -> list[dict[str, Any]]:
         if windows is None:
             return []
-        if self._windows is None or now - self._windows[0] >= WINDOWS_PERIOD_S:
+        published = sum(v for _, v in _totals(self.metrics.published_windows))
+        if self._windows is None or now - self._windows[0] >= WINDOWS_PERIOD_S or published != self._windows_seen:
+            self._windows_seen = published
             since = max(0, int(self.clock()) - 86_400)
             metas, _ = await asyncio.to_thread(windows.listing, since=since, limit=1000)
             keep = ("window_id", "t_start", "t_end", "k", "n_in", "n_out", "status")

@@ -128,11 +128,8 @@
       const px0 = p.x(x0 * g), px1 = p.x(x1 * g), py0 = p.y(y1 * g), py1 = p.y(y0 * g);
       ctx.globalAlpha = fade;
       ctx.strokeStyle = kColor(k);
-      ctx.lineWidth = 1.4;
+      ctx.lineWidth = 1.3;
       ctx.strokeRect(px0, py0, Math.max(px1 - px0, 1), Math.max(py1 - py0, 1));
-      ctx.globalAlpha = fade * 0.04;
-      ctx.fillStyle = kColor(k);
-      ctx.fillRect(px0, py0, Math.max(px1 - px0, 1), Math.max(py1 - py0, 1));
     }
     ctx.globalAlpha = 1;
     const metres = niceLength(p.metresPerPx * 120);
@@ -239,14 +236,16 @@
     draw();
   }
 
-  async function loadStreets() {
+  async function loadStreets(tries) {
     const resp = await fetch("/v1/map/streets", { headers, cache: "no-store" });
-    if (!resp.ok) return;
-    const doc = await resp.json();
-    if (doc.bbox) {
+    const doc = resp.ok ? await resp.json() : null;
+    if (doc && doc.bbox) {
       state.streets = doc;
       state.extent = state.extent ? grow(state.extent, ...doc.bbox) : doc.bbox;
       draw();
+    } else if (resp.ok && tries > 1) {
+      // none yet (the demo writes its streets while the broker starts): ask again shortly
+      setTimeout(() => loadStreets(tries - 1).catch(() => {}), 3000);
     }
   }
 
@@ -286,7 +285,7 @@
 
   async function run() {
     legend();
-    loadStreets().catch(() => {});
+    loadStreets(20).catch(() => {});
     for (;;) {
       try {
         if ((await stream()) === false) return;

@@ -335,7 +335,9 @@ def write_streets_geojson(streets: StreetGraph, path: Path) -> Path:
     lat, lon = streets.lat.tolist(), streets.lon.tolist()
     lines = [[[round(lon[a], 6), round(lat[a], 6)], [round(lon[b], 6), round(lat[b], 6)]] for a, b in sorted(pairs)]
     doc = {"type": "Feature", "properties": {}, "geometry": {"type": "MultiLineString", "coordinates": lines}}
-    path.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
+    partial.replace(path)  # whole or absent: the broker reads it once it is there
     return path
 
 
@@ -557,9 +559,9 @@ async def run_demo(
         streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
         try:
             async with ReferenceLbs(log_path=work / "lbs.log") as lbs:
-                # The live map draws the demo's streets: the broker reads them when it starts.
-                streets = await _first_of(streets_task, interrupt)
-                streets_file = await asyncio.to_thread(write_streets_geojson, streets, work / "streets.geojson")
+                # The live map draws the demo's streets, written once they are ready (the broker reads
+                # the file when it appears).
+                streets_file = work / "streets.geojson"
                 bcfg = demo_broker_config(
                     cfg,
                     data_dir=work / "data",
@@ -577,6 +579,8 @@ async def run_demo(
                     )
                     tell(f"      live map: {broker.url}/map (while the demo runs)")
                     opener = asyncio.create_task(_open_browser(f"{broker.url}/map", tell)) if cfg.open_map else None
+                    streets = await _first_of(streets_task, interrupt)
+                    await asyncio.to_thread(write_streets_geojson, streets, streets_file)
                     n_pois = await _first_of(lbs.ready(), interrupt)
                     tell(
                         f"[2/4] reference LBS: {n_pois} Beijing POIs on {lbs.url} ({time.monotonic() - t_start:.1f} s)"

@@ -179,9 +179,13 @@ async def test_streets_come_from_a_geojson_file(tmp_path: Path, spy: SpyUpstream
             {"type": "Feature", "geometry": {"type": "Point", "coordinates": [116.0, 39.0]}, "properties": {}},
         ],
     }
-    cfg = broker_config(tmp_path, spy.url, **{"map.streets": str(_streets_file(tmp_path, doc))})
+    path = tmp_path / "streets.geojson"  # written after the start, as kcloak demo does
+    cfg = broker_config(tmp_path, spy.url, **{"map.streets": str(path)})
     async with Broker(config=cfg) as broker, ClientSession() as http:
-        body = await (await http.get(f"http://127.0.0.1:{broker.http_port}/v1/map/streets")).json()
+        url = f"http://127.0.0.1:{broker.http_port}/v1/map/streets"
+        assert await (await http.get(url)).json() == {"lines": [], "bbox": None}
+        _streets_file(tmp_path, doc)
+        body = await (await http.get(url)).json()
     assert body["bbox"] == [116.38, 39.9, 116.40123, 39.92]
     assert body["lines"] == [[116.39, 39.9, 116.40123, 39.90123], [116.38, 39.91, 116.385, 39.915, 116.39, 39.92]]
 

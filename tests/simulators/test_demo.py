@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr()
     assert "kcloak demo summary" in out.out
     assert "[3/4]" in out.err
+    assert re.search(r"live map: http://127\.0\.0\.1:\d+/map", out.err)
 
 
 def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:

@@ -104,13 +104,18 @@ def _browse(urls: queue.Queue[str], chromium: str, driver_path: str, out: Path) 
                 {name: driver.find_element("id", name).text for name in ("c-updates", "c-queries", "c-users", "c-p99")}
             )
             time.sleep(3.0)
-        wait.until(lambda d: d.execute_script("return window.kcloakMap.last.windows !== undefined"))
+        # a published window (the test's demo publishes 4 s windows) reaches the panel
+        wait.until(lambda d: d.execute_script("return window.kcloakMap.last.windows.recent.length > 0"))
+        window_rows = len(driver.find_elements("css selector", "#windows tr"))
         shot = out / "live-map.png"
         driver.save_screenshot(str(shot))
         received = driver.execute_script("return window.kcloakMap.received")
         frames = driver.execute_script("return window.kcloakMap.frames")
         status = driver.find_element("id", "status").text
+        streets = driver.execute_script("const s = window.kcloakMap.streets; return s ? s.lines.length : 0")
         return {
+            "window_rows": window_rows,
+            "streets": streets,
             "url": url,
             "counters": counters,
             "received": received,
@@ -163,7 +168,14 @@ def test_live_map_in_a_real_browser(tmp_path: Path) -> None:
 
     async def run() -> dict[str, Any]:
         stop = asyncio.Event()
-        cfg = DemoConfig(users=USERS, duration_s=40.0, report_dir=tmp_path / "report", seed=11)
+        cfg = DemoConfig(
+            users=USERS,
+            duration_s=40.0,
+            report_dir=tmp_path / "report",
+            seed=11,
+            publish_window_s=4,  # windows are published while the page is open
+            max_update_age_s=3.0,
+        )
         demo = asyncio.create_task(run_demo(cfg, stop=stop, say=say, observer=observer))
         try:
             return await asyncio.to_thread(_browse, urls, chromium, driver, tmp_path)
@@ -176,6 +188,8 @@ def test_live_map_in_a_real_browser(tmp_path: Path) -> None:
 
     # The page loaded from the URL the demo printed, is live, and drew regions.
     assert seen["status"] == "live"
+    assert seen["streets"] > 1000  # the demo's streets, drawn under the map
+    assert seen["window_rows"] >= 2  # a header and at least one published window
     assert seen["frames"] == len(seen["received"]) >= 3
     frames = [json.loads(raw) for raw in seen["received"]]
     assert any(f["regions"]["rows"] for f in frames)
