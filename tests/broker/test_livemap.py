@@ -216,3 +216,18 @@ def test_widening_never_cuts_a_region() -> None:
         i0, i1 = outward(lo, hi)
         assert i0 * REGION_GRID_DEG <= lo and hi <= i1 * REGION_GRID_DEG
         assert math.isclose((i1 - i0) * REGION_GRID_DEG, hi - lo, abs_tol=2 * REGION_GRID_DEG + 1e-12)
+
+
+async def test_an_open_feed_does_not_hold_the_shutdown(tmp_path: Path, spy: SpyUpstream) -> None:
+    async with ClientSession() as http:
+        broker = Broker(config=broker_config(tmp_path, spy.url))
+        await broker.__aenter__()
+        stream = await http.get(f"http://127.0.0.1:{broker.http_port}/v1/map/stream")
+        await _frame(stream)
+        t0 = time.monotonic()
+        await broker.__aexit__(None, None, None)
+        assert time.monotonic() - t0 < 4.0  # the feed ends with the broker (shutdown_grace_s is 5 s)
+        async with asyncio.timeout(5):
+            await stream.content.read()  # the feed ended: the response reaches its end
+        assert stream.content.at_eof()
+        stream.close()

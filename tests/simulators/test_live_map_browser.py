@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,12 @@ class RecordingObserver(DemoObserver):
         self.sent.update((f"{a:.6f}", f"{b:.6f}") for a, b in zip(lat.tolist(), lon.tolist(), strict=True))
 
 
-def _browse(urls: queue.Queue[str], chromium: str, driver_path: str, out: Path) -> dict[str, Any]:
-    """Start chromium, wait for the map URL, load it; return what the checks need."""
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless chromium for the module's tests (Debian's, through its chromedriver)."""
+    chromium, driver_path = _browser_or_skip()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -90,42 +92,47 @@ def _browse(urls: queue.Queue[str], chromium: str, driver_path: str, out: Path) 
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
     try:
-        url = urls.get(timeout=90)
-        driver.get(url)
-        wait = WebDriverWait(driver, 30, poll_frequency=0.2)
-        wait.until(
-            lambda d: d.execute_script(
-                "const m = window.kcloakMap; return m && m.last && m.last.regions.rows.length > 0"
-            )
-        )
-        counters = []
-        for _ in range(2):
-            counters.append(
-                {name: driver.find_element("id", name).text for name in ("c-updates", "c-queries", "c-users", "c-p99")}
-            )
-            time.sleep(3.0)
-        # a published window (the test's demo publishes 4 s windows) reaches the panel
-        wait.until(lambda d: d.execute_script("return window.kcloakMap.last.windows.recent.length > 0"))
-        window_rows = len(driver.find_elements("css selector", "#windows tr"))
-        shot = out / "live-map.png"
-        driver.save_screenshot(str(shot))
-        received = driver.execute_script("return window.kcloakMap.received")
-        frames = driver.execute_script("return window.kcloakMap.frames")
-        status = driver.find_element("id", "status").text
-        streets = driver.execute_script("const s = window.kcloakMap.streets; return s ? s.lines.length : 0")
-        return {
-            "window_rows": window_rows,
-            "streets": streets,
-            "url": url,
-            "counters": counters,
-            "received": received,
-            "frames": frames,
-            "shot": shot,
-            "status": status,
-        }
+        yield driver
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def _browse(urls: queue.Queue[str], driver: Any, out: Path) -> dict[str, Any]:
+    """Wait for the map URL, load it; return what the checks need."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url = urls.get(timeout=90)
+    driver.get(url)
+    wait = WebDriverWait(driver, 30, poll_frequency=0.2)
+    wait.until(
+        lambda d: d.execute_script("const m = window.kcloakMap; return m && m.last && m.last.regions.rows.length > 0")
+    )
+    counters = []
+    for _ in range(2):
+        counters.append(
+            {name: driver.find_element("id", name).text for name in ("c-updates", "c-queries", "c-users", "c-p99")}
+        )
+        time.sleep(3.0)
+    # a published window (the test's demo publishes 4 s windows) reaches the panel
+    wait.until(lambda d: d.execute_script("return window.kcloakMap.last.windows.recent.length > 0"))
+    window_rows = len(driver.find_elements("css selector", "#windows tr"))
+    shot = out / "live-map.png"
+    driver.save_screenshot(str(shot))
+    received = driver.execute_script("return window.kcloakMap.received")
+    frames = driver.execute_script("return window.kcloakMap.frames")
+    status = driver.find_element("id", "status").text
+    streets = driver.execute_script("const s = window.kcloakMap.streets; return s ? s.lines.length : 0")
+    return {
+        "window_rows": window_rows,
+        "streets": streets,
+        "url": url,
+        "counters": counters,
+        "received": received,
+        "frames": frames,
+        "shot": shot,
+        "status": status,
+    }
 
 
 def _numbers(node: Any) -> list[float]:
@@ -156,8 +163,7 @@ def _near(rgb: npt.NDArray[np.int16], colour: str) -> npt.NDArray[np.bool_]:
     return near
 
 
-def test_live_map_in_a_real_browser(tmp_path: Path) -> None:
-    chromium, driver = _browser_or_skip()
+def test_live_map_in_a_real_browser(tmp_path: Path, browser: Any) -> None:
     observer = RecordingObserver()
     urls: queue.Queue[str] = queue.Queue()
 
@@ -178,7 +184,7 @@ def test_live_map_in_a_real_browser(tmp_path: Path) -> None:
         )
         demo = asyncio.create_task(run_demo(cfg, stop=stop, say=say, observer=observer))
         try:
-            return await asyncio.to_thread(_browse, urls, chromium, driver, tmp_path)
+            return await asyncio.to_thread(_browse, urls, browser, tmp_path)
         finally:
             stop.set()  # the checks are done: the demo ends and writes its report
             await demo
@@ -218,3 +224,47 @@ def test_live_map_in_a_real_browser(tmp_path: Path) -> None:
     assert rgb.shape[0] >= 600 and rgb.shape[1] >= 1000
     coloured = sum(int(_near(rgb, c).sum()) for c in REGION_COLOURS)
     assert coloured > 200, coloured
+
+
+def test_with_tokens_the_page_shows_data_to_a_map_viewer_only(tmp_path: Path, browser: Any) -> None:
+    """With tokens, the page itself loads for anyone but its data only with ``#token=`` of a user in
+    ``auth.map_viewers``; the page says why it shows nothing."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from kcloak.broker.auth import TokenStore
+    from kcloak.broker.config import Config
+    from kcloak.broker.service import Broker
+    from kcloak.wire.tokens import parse_tokens
+
+    tokens = TokenStore.from_lines(parse_tokens("alice:tok-alice-map\nbob:tok-bob-map\n"))
+    cfg = Config().with_values(
+        {
+            "http.listen": "127.0.0.1:0",
+            "mqtt.mode": "none",
+            "upstream.url": "http://127.0.0.1:9",
+            "storage.data_dir": str(tmp_path / "data"),
+            "auth.map_viewers": ["alice"],
+        }
+    )
+
+    def status_of(url: str) -> tuple[str, int]:
+        browser.get("about:blank")  # a new document, not just a new fragment
+        browser.get(url)
+        wait = WebDriverWait(browser, 15, poll_frequency=0.2)
+        wait.until(lambda d: d.find_element("id", "status").text not in ("connecting…", ""))
+        if browser.find_element("id", "status").text == "live":
+            wait.until(lambda d: d.execute_script("return window.kcloakMap.frames > 0"))
+        return browser.find_element("id", "status").text, int(browser.execute_script("return window.kcloakMap.frames"))
+
+    async def run() -> list[tuple[str, int]]:
+        async with Broker(config=cfg, tokens=tokens) as broker:
+            base = f"http://127.0.0.1:{broker.http_port}/map"
+            return [
+                await asyncio.to_thread(status_of, url)
+                for url in (base, f"{base}#token=tok-bob-map", f"{base}#token=tok-alice-map")
+            ]
+
+    nobody, bob, alice = asyncio.run(run())
+    assert nobody[0].startswith("no access: a valid bearer token is required") and nobody[1] == 0
+    assert bob[0].startswith("no access: not a map viewer") and bob[1] == 0
+    assert alice == ("live", alice[1]) and alice[1] >= 1
