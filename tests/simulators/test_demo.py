@@ -203,25 +203,19 @@ def test_open_hands_the_map_url_to_the_users_browser(tmp_path: Path) -> None:
     )
     # no display and an empty PATH: no other browser of this machine can be found (nor opened)
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    env |= {"BROWSER": f"{script} %s", "PATH": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    env["PATH"] = str(tmp_path)
+    outputs = []
+    for browser in (f"{script} %s", "/bin/false %s"):  # one that works; then none that works
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", code],
+            env={**env, "BROWSER": browser},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
     assert seen.read_text(encoding="utf-8") == "http://127.0.0.1:18999/map"
-    assert proc.stdout == ""  # opened: nothing to say
-    env["BROWSER"] = "/bin/false %s"  # no browser that works: the demo says what to open
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert "open http://127.0.0.1:18999/map yourself" in proc.stdout
+    assert outputs[0] == ""  # opened: nothing to say
+    assert "open http://127.0.0.1:18999/map yourself" in outputs[1]  # the demo says what to open
