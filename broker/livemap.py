@@ -196,9 +196,16 @@ class LiveMap:
         if len(view.lat):
             cx = np.floor(view.lon / self.cell_deg).astype(np.int64)
             cy = np.floor(view.lat / self.cell_deg).astype(np.int64)
-            keys, counts = np.unique(np.stack([cx, cy], axis=1), axis=0, return_counts=True)
+            # one integer key per cell (np.unique over rows is ~35× slower than over a 1-D array)
+            x0, y0 = int(cx.min()), int(cy.min())
+            span = int(cy.max()) - y0 + 1
+            keys, counts = np.unique((cx - x0) * span + (cy - y0), return_counts=True)
             shown = counts >= self.min_k
-            cells = [[int(x), int(y), int(n)] for (x, y), n in zip(keys[shown], counts[shown], strict=True)]
+            xs, ys = np.divmod(keys[shown], span)
+            cells = [
+                [x + x0, y + y0, int(n)]
+                for x, y, n in zip(xs.tolist(), ys.tolist(), counts[shown].tolist(), strict=True)
+            ]
             hidden_cells = int(np.count_nonzero(~shown))
             hidden_users = int(counts[~shown].sum())
         return {

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,31 @@ async def test_an_open_feed_does_not_hold_the_shutdown(tmp_path: Path, spy: SpyU
             await stream.content.read()  # the feed ended: the response reaches its end
         assert stream.content.at_eof()
         stream.close()
+
+
+async def test_density_counts_every_cell_right_on_both_sides_of_zero(open_broker: tuple[Broker, str]) -> None:
+    """400 users over cells west of Greenwich and south of the equator (Santiago) and across 0°:
+    the frame's cells are the counts computed here in whole micro-degrees, cells under 10 hidden."""
+    _, base = open_broker
+    rng = random.Random(5)
+    users: dict[str, tuple[int, int]] = {}  # micro-degrees, never on a cell edge
+    for i in range(400):
+        if i < 300:
+            lat, lon = rng.randrange(-33_480_000, -33_420_000), rng.randrange(-70_690_000, -70_630_000)
+        else:
+            lat, lon = rng.randrange(-15_000, 15_000), rng.randrange(-15_000, 15_000)
+        users[f"u{i:03d}"] = (lat + (lat % 10_000 == 0), lon + (lon % 10_000 == 0))
+    now = time.time()
+    updates = [{"user": u, "t": now, "lat": lat / 1e6, "lon": lon / 1e6} for u, (lat, lon) in users.items()]
+    async with ClientSession() as http:
+        r = await http.post(f"{base}/v1/locations", json={"updates": updates})
+        assert (await r.json())["accepted"] == 400
+        async with http.get(f"{base}/v1/map/stream") as stream:
+            frame, _ = await _frame(stream)
+    counts = Counter((lon // 10_000, lat // 10_000) for lat, lon in users.values())  # 0.01° cells
+    density = frame["density"]
+    assert density["cell_deg"] == 0.01
+    assert {(x, y): n for x, y, n in density["cells"]} == {c: n for c, n in counts.items() if n >= 10}
+    hidden = {c: n for c, n in counts.items() if n < 10}
+    assert (density["hidden_cells"], density["hidden_users"]) == (len(hidden), sum(hidden.values()))
+    assert hidden  # the check above covered some hidden cells too
