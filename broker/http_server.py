@@ -10,6 +10,7 @@ them back or logging them. Access is counted per route *template*, never per con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -51,6 +52,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", TokenStore)
 STATE = web.AppKey("state", dict)
 PUBLICATION = web.AppKey("publication", WindowPublisher)
+MAP_STOPPING = web.AppKey("map_stopping", asyncio.Event)  # set when the server stops: live map feeds end
 AUTH_USER = web.RequestKey("auth_user", str)
 ABANDON = web.RequestKey("abandon", bool)  # the body will never come: close once answered
 
@@ -603,9 +605,11 @@ async def map_stream(request: web.Request) -> web.StreamResponse:
     try:
         await resp.prepare(request)
         await resp.write(f"retry: {int(FRAME_PERIOD_S * 2000)}\n\n".encode())
-        while not pipeline.closing:
+        stopping = request.app[MAP_STOPPING]
+        while not (pipeline.closing or stopping.is_set()):
             await resp.write(await live.frame(request.app.get(PUBLICATION)))
-            await asyncio.sleep(FRAME_PERIOD_S)
+            with contextlib.suppress(TimeoutError):  # the next frame, or at once when the server stops
+                await asyncio.wait_for(stopping.wait(), FRAME_PERIOD_S)
     except ConnectionError:
         pass  # the viewer left
     finally:
@@ -625,6 +629,12 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     app[STATE] = state
     if tokens is not None:
         app[TOKENS] = tokens
+    app[MAP_STOPPING] = asyncio.Event()
+
+    async def end_map_feeds(app: web.Application) -> None:
+        app[MAP_STOPPING].set()
+
+    app.on_shutdown.append(end_map_feeds)
     r = app.router
     r.add_post("/v1/users/{user}/location", post_location)
     r.add_post("/v1/locations", post_locations)
