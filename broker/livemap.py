@@ -105,6 +105,12 @@ class LiveMap:
         self.min_k = max(mc.min_k, config.profile.k)
         self.cell_deg = mc.cell_deg
         self.region_age_s = mc.region_age_s
+        # The latest windows start within this span (a window is published max_update_age_s after its
+        # end, and processing may lag): asking for it alone keeps the listing short.
+        window_s = config.publish.window_s
+        self._recent_span_s = (
+            (RECENT_WINDOWS + 2) * window_s + config.cloaking.max_update_age_s + 60.0 if window_s else 86_400.0
+        )
         self.metrics = metrics
         self.positions = positions
         self.clock = clock
@@ -160,10 +166,13 @@ class LiveMap:
         published = sum(v for _, v in _totals(self.metrics.published_windows))
         if self._windows is None or now - self._windows[0] >= WINDOWS_PERIOD_S or published != self._windows_seen:
             self._windows_seen = published
-            since = max(0, int(self.clock()) - 86_400)
-            metas, _ = await asyncio.to_thread(windows.listing, since=since, limit=1000)
+            since: int | None = max(0, int(self.clock() - self._recent_span_s))
+            latest: list[dict[str, Any]] = []
+            while since is not None:  # ascending pages: keep the tail of the last
+                metas, since = await asyncio.to_thread(windows.listing, since=since, limit=1000)
+                latest = (latest + metas)[-RECENT_WINDOWS:]
             keep = ("window_id", "t_start", "t_end", "k", "n_in", "n_out", "status")
-            self._windows = (now, [{key: m[key] for key in keep} for m in metas[-RECENT_WINDOWS:]][::-1])
+            self._windows = (now, [{key: m[key] for key in keep} for m in latest][::-1])
         return self._windows[1]
 
     def snapshot(self, recent_windows: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -261,3 +261,29 @@ async def test_density_counts_every_cell_right_on_both_sides_of_zero(open_broker
     hidden = {c: n for c, n in counts.items() if n < 10}
     assert (density["hidden_cells"], density["hidden_users"]) == (len(hidden), sum(hidden.values()))
     assert hidden  # the check above covered some hidden cells too
+
+
+@pytest.mark.slow
+async def test_the_latest_five_windows_newest_first(tmp_path: Path, spy: SpyUpstream) -> None:
+    """With 1 s windows (each published, empty or not, once a fix has arrived), a frame lists the five
+    newest windows of GET /v1/published/windows, newest first, and counts all of them."""
+    cfg = broker_config(tmp_path, spy.url, **{"publish.window_s": 1, "cloaking.max_update_age_s": 1.0})
+    async with Broker(config=cfg) as broker, ClientSession() as http:
+        base = f"http://127.0.0.1:{broker.http_port}"
+        r = await http.post(f"{base}/v1/users/u1/location", json={"t": time.time(), "lat": 39.9, "lon": 116.4})
+        assert r.status == 200
+        async with http.get(f"{base}/v1/map/stream") as stream:
+            async with asyncio.timeout(30):
+                while sum((frame := (await _frame(stream))[0])["windows"]["by_outcome"].values()) < 8:
+                    pass
+        listing: list[dict[str, Any]] = []
+        since: int | None = 0
+        while since is not None:
+            page = await (await http.get(f"{base}/v1/published/windows", params={"since": since})).json()
+            listing += page["windows"]
+            since = page["next_since"]
+    recent = frame["windows"]["recent"]
+    newest = recent[0]["t_start"]
+    expected = sorted((w for w in listing if w["t_start"] <= newest), key=lambda w: -w["t_start"])[:5]
+    assert [w["window_id"] for w in recent] == [w["window_id"] for w in expected]
+    assert all(set(w) == {"window_id", "t_start", "t_end", "k", "n_in", "n_out", "status"} for w in recent)
