@@ -5,9 +5,10 @@ What a frame holds, and what it never holds:
 - **regions**: the distinct cloaked regions forwarded upstream in the last ``map.region_age_s``
   seconds (at most :data:`MAX_REGIONS`, newest first), each as its bounds *rounded outward* to a grid of
   :data:`REGION_GRID_DEG` degrees (about 100 m) and given in units of that grid (integers),
-  with its achieved k and its age. A forwarded region is already non-identifying (it holds ≥ k
-  users), but its edges may run through users' exact coordinates (the bounding box of the
-  users it holds): the map shows a slightly larger box whose edges are grid lines, so no
+  with its achieved k and its age. A forwarded region is already non-identifying (≥ k users
+  strictly inside), but its edges are whole micro-degrees, the precision apps send, and may
+  coincide with the coordinate of a user it does not count (a grid cell's edge, a box grown to
+  ``min_area_m2``): the map shows a slightly larger box whose edges are grid lines, so no
   coordinate the broker received appears in a frame.
 - **density**: present users counted per cell of a grid of ``map.cell_deg`` degrees (cell
   indices, integers); a cell with fewer than ``max(map.min_k, profile.k)`` users is left out
