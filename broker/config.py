@@ -137,6 +137,19 @@ class StorageConfig:
 class AuthConfig:
     tokens: str = _c("")
     published_readers: list[str] = field(default_factory=list, metadata={"comment": ""})
+    map_viewers: list[str] = field(
+        default_factory=list, metadata={"comment": "extension: token users who may read the live map's data"}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MapConfig:
+    """The live map (``GET /map``, docs/contract-extensions.md): aggregates only."""
+
+    min_k: int = _c(10, "density cells with fewer users are hidden (≥ profile.k)")
+    cell_deg: float = _c(0.01, "density grid cell side, degrees")
+    region_age_s: float = _c(15.0, "cloaked regions shown this long")
+    streets: str = _c("", "GeoJSON LineStrings drawn under the map")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +184,13 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
+    map: MapConfig = field(default_factory=MapConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     SECTION_COMMENTS: ClassVar[dict[str, str]] = {
         "profile": "server default profile",
         "queues": "bounded; full → overloaded",
+        "map": "extension: the live map, GET /map",
     }
 
     # -- building --------------------------------------------------------------------------
@@ -260,6 +275,12 @@ class Config:
             raise ConfigError("publish.trash_max: must be < 1")
         if self.publish.k < 2:
             raise ConfigError("publish.k: must be ≥ 2")
+        if self.map.min_k < 2:
+            raise ConfigError("map.min_k: must be ≥ 2")
+        if not 0.001 <= self.map.cell_deg <= 1.0:
+            raise ConfigError("map.cell_deg: must be within [0.001, 1]")
+        if self.map.region_age_s <= 0:
+            raise ConfigError("map.region_age_s: must be > 0")
         if self.storage.retention_s < self.publish.window_s + self.cloaking.max_update_age_s:
             raise ConfigError("storage.retention_s: must be ≥ publish.window_s + cloaking.max_update_age_s")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,8 @@ class Forwarder:
 
     Keyword arguments: ``algorithm`` (the configured algorithm, in answers, metrics and the query
     log), ``queue_capacity`` (``queues.upstream``: queries waiting for the provider beyond it are
-    refused ``overloaded``), ``metrics``, ``upstream``, ``querylog``, ``background``, ``clock``.
+    refused ``overloaded``), ``metrics``, ``upstream``, ``querylog``, ``background``, ``clock``,
+    ``on_region`` (told the bounds and achieved k of each region the provider answered for).
     """
 
     def __init__(
@@ -78,8 +79,10 @@ class Forwarder:
         querylog: QueryLog,
         background: Background,
         clock: Callable[[], float] = time.time,
+        on_region: Callable[[Sequence[float], int], None] | None = None,
     ) -> None:
         self.algorithm = algorithm
+        self.on_region = on_region
         self.queue_capacity = queue_capacity
         self.metrics = metrics
         self.upstream = upstream
@@ -142,6 +145,8 @@ class Forwarder:
             message = "the provider failed after retries"
             return Answer.refused(q.query_id, ReasonCode.UPSTREAM_ERROR, message, self.clock())
         self.metrics.upstream_candidates.labels(kind=q.kind).observe(len(candidates))
+        if self.on_region is not None:
+            self.on_region(bbox, region.k_achieved)
         self.metrics.region_area.labels(algorithm=self.algorithm).observe(region.area_m2)
         self.metrics.k_ratio.labels(algorithm=self.algorithm).observe(region.k_achieved / profile.k)
         truncated: bool | None = None

@@ -10,6 +10,7 @@ them back or logging them. Access is counted per route *template*, never per con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -23,8 +24,9 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
-from kcloak.broker.config import Config
+from kcloak.broker.config import Config, ConfigError
 from kcloak.broker.errors import BrokerError
+from kcloak.broker.livemap import FRAME_PERIOD_S, MAX_VIEWERS, LiveMap
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.openapi import OPEN_PATHS
 from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
@@ -50,6 +52,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", TokenStore)
 STATE = web.AppKey("state", dict)
 PUBLICATION = web.AppKey("publication", WindowPublisher)
+MAP_STOPPING = web.AppKey("map_stopping", asyncio.Event)  # set when the server stops: live map feeds end
 AUTH_USER = web.RequestKey("auth_user", str)
 ABANDON = web.RequestKey("abandon", bool)  # the body will never come: close once answered
 
@@ -203,6 +206,8 @@ async def auth_middleware(
         readers = request.app[CONFIG].auth.published_readers
         if user not in readers:
             raise HttpError(ReasonCode.FORBIDDEN, "not a published-data reader")
+    if request.path.startswith("/v1/map/") and user not in request.app[CONFIG].auth.map_viewers:
+        raise HttpError(ReasonCode.FORBIDDEN, "not a map viewer (auth.map_viewers)")
     return await handler(request)
 
 
@@ -541,6 +546,77 @@ async def asyncapi(request: web.Request) -> web.Response:
     return web.json_response(broker_asyncapi())
 
 
+# -- the live map (docs/contract-extensions.md "The live map") ---------------------------------
+_PAGE_TYPES = {"map.html": "text/html", "map.js": "text/javascript", "map.css": "text/css"}
+_PAGE_HEADERS = {
+    # The page talks to this broker only: no third-party script, style, image or connection.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _page_file(name: str) -> web.Response:
+    from importlib.resources import files
+
+    body = files("kcloak.broker").joinpath("static", name).read_bytes()
+    return web.Response(body=body, content_type=_PAGE_TYPES[name], charset="utf-8", headers=_PAGE_HEADERS)
+
+
+async def map_page(request: web.Request) -> web.Response:
+    return _page_file("map.html")
+
+
+async def map_script(request: web.Request) -> web.Response:
+    return _page_file("map.js")
+
+
+async def map_style(request: web.Request) -> web.Response:
+    return _page_file("map.css")
+
+
+def _livemap(request: web.Request) -> LiveMap:
+    live = getattr(request.app[PIPELINE], "livemap", None)
+    if not isinstance(live, LiveMap):
+        raise HttpError(ReasonCode.NOT_FOUND, "the live map is served by kcloak serve without --cluster")
+    return live
+
+
+async def map_streets(request: web.Request) -> web.Response:
+    try:
+        streets = await asyncio.to_thread(_livemap(request).streets)
+    except ConfigError as exc:
+        raise HttpError(ReasonCode.NOT_FOUND, str(exc)) from None
+    body = streets if streets is not None else {"lines": [], "bbox": None}
+    return web.json_response(body, dumps=lambda obj: json.dumps(obj, separators=(",", ":")))
+
+
+async def map_stream(request: web.Request) -> web.StreamResponse:
+    live = _livemap(request)
+    if live.viewers >= MAX_VIEWERS:
+        raise HttpError(ReasonCode.OVERLOADED, f"at most {MAX_VIEWERS} live map feeds at once")
+    pipeline = request.app[PIPELINE]
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+    )
+    live.viewers += 1
+    try:
+        await resp.prepare(request)
+        await resp.write(f"retry: {int(FRAME_PERIOD_S * 2000)}\n\n".encode())
+        stopping = request.app[MAP_STOPPING]
+        while not (pipeline.closing or stopping.is_set()):
+            await resp.write(await live.frame(request.app.get(PUBLICATION)))
+            with contextlib.suppress(TimeoutError):  # the next frame, or at once when the server stops
+                await asyncio.wait_for(stopping.wait(), FRAME_PERIOD_S)
+    except ConnectionError:
+        pass  # the viewer left
+    finally:
+        live.viewers -= 1
+    return resp
+
+
 def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, state: dict[str, Any]) -> web.Application:
     app = web.Application(
         # Without tokens every route is open: the auth layer is left out of the hot path.
@@ -553,6 +629,12 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     app[STATE] = state
     if tokens is not None:
         app[TOKENS] = tokens
+    app[MAP_STOPPING] = asyncio.Event()
+
+    async def end_map_feeds(app: web.Application) -> None:
+        app[MAP_STOPPING].set()
+
+    app.on_shutdown.append(end_map_feeds)
     r = app.router
     r.add_post("/v1/users/{user}/location", post_location)
     r.add_post("/v1/locations", post_locations)
@@ -572,6 +654,11 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
     r.add_get("/v1/asyncapi.json", asyncapi, allow_head=False)
     r.add_get("/healthz", healthz, allow_head=False)
     r.add_get("/metrics", metrics, allow_head=False)
+    r.add_get("/map", map_page, allow_head=False)
+    r.add_get("/map/map.js", map_script, allow_head=False)
+    r.add_get("/map/map.css", map_style, allow_head=False)
+    r.add_get("/v1/map/streets", map_streets, allow_head=False)
+    r.add_get("/v1/map/stream", map_stream, allow_head=False)
     return app
 
 

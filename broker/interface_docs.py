@@ -108,7 +108,9 @@ def interface_markdown() -> str:
     out.append(
         "Default listen `127.0.0.1:8470`. Request bodies are JSON with `Content-Type: application/json`. With "
         "tokens configured (`--tokens`), every route marked *token* needs `Authorization: Bearer <token>`, and "
-        "`{user}` must be the token's user (else 403 `forbidden`); without tokens the header is ignored."
+        "`{user}` must be the token's user (else 403 `forbidden`); without tokens the header is ignored. The "
+        "`/v1/published/` routes need a user of `auth.published_readers`, the live map's `/v1/map/` routes a user "
+        "of `auth.map_viewers` (the page `/map` holds no data; with tokens open it as `/map#token=<token>`)."
     )
     out += ["", "| method | route | what | auth | success | error statuses |", "|---|---|---|---|---|---|"]
     for path, item in api["paths"].items():  # type: ignore[attr-defined]

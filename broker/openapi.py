@@ -16,7 +16,9 @@ from kcloak import __version__
 from kcloak.wire import schemas as s
 from kcloak.wire.reasons import ANSWER_REASONS, ERROR_CODES, REASONS
 
-OPEN_PATHS = frozenset({"/v1/openapi.json", "/v1/asyncapi.json", "/v1/info", "/healthz", "/metrics"})
+OPEN_PATHS = frozenset(
+    {"/v1/openapi.json", "/v1/asyncapi.json", "/v1/info", "/healthz", "/metrics", "/map", "/map/map.js", "/map/map.css"}
+)
 """Routes that never need a token (the others need one when tokens are configured)."""
 
 _STATUS_TEXT = {
@@ -292,6 +294,109 @@ def _operations() -> dict[str, dict[str, dict[str, object]]]:
     }
 
 
+_MAP_FRAME = {
+    "type": "object",
+    "description": "One frame of the live map: aggregates only, never a user id or an exact position.",
+    "required": ["t", "regions", "density", "counters", "windows"],
+    "properties": {
+        "t": {"type": "number", "description": "Unix seconds (0.1 s)"},
+        "regions": {
+            "type": "object",
+            "description": "Regions forwarded in the last max_age_s seconds, newest first, at most 500: "
+            "[x0, y0, x1, y1, k_achieved, age_s], bounds in units of grid_deg (the forwarded region widened to "
+            "grid lines: min_lon = x0 * grid_deg).",
+            "properties": {
+                "grid_deg": _NUM,
+                "max_age_s": _NUM,
+                "rows": {"type": "array", "items": {"type": "array", "items": _NUM, "minItems": 6, "maxItems": 6}},
+            },
+        },
+        "density": {
+            "type": "object",
+            "description": "Present users per cell [x, y, n] (cell x covers [x * cell_deg, (x + 1) * cell_deg) of "
+            "longitude, y of latitude); cells with fewer than min_k users are left out, only counted.",
+            "properties": {
+                "cell_deg": _NUM,
+                "min_k": {"type": "integer"},
+                "cells": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                "hidden_cells": {"type": "integer"},
+                "hidden_users": {"type": "integer"},
+            },
+        },
+        "counters": {
+            "type": "object",
+            "properties": {
+                "updates": {"type": "integer"},
+                "updates_per_s": {"type": ["number", "null"]},
+                "queries": {"type": "integer"},
+                "ok": {"type": "integer"},
+                "refused": {"type": "integer"},
+                "success_rate": {"type": ["number", "null"]},
+                "refusals": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "p99_ms": {"type": ["number", "null"]},
+                "latency_window_s": _NUM,
+                "users_present": {"type": "integer"},
+            },
+        },
+        "windows": {
+            "type": "object",
+            "properties": {
+                "by_outcome": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "recent": {"type": "array", "items": {"type": "object"}},
+            },
+        },
+    },
+}
+
+
+def _map_operations() -> dict[str, dict[str, dict[str, object]]]:
+    def static(operation_id: str, summary: str, media: str) -> dict[str, dict[str, object]]:
+        content = {media: {"schema": {"type": "string"}}}
+        return {"get": _op(operation_id, summary, tag="map", ok_response={"description": summary, "content": content})}
+
+    viewers = (
+        "Open without tokens (the broker then listens on loopback only); with tokens, a bearer token of a user "
+        "listed in auth.map_viewers."
+    )
+    return {
+        "/map": static(
+            "getMapPage", "The live map page (no data in it; open it as /map#token=… with tokens)", "text/html"
+        ),
+        "/map/map.js": static("getMapScript", "The live map's script", "text/javascript"),
+        "/map/map.css": static("getMapStyle", "The live map's style sheet", "text/css"),
+        "/v1/map/streets": {
+            "get": _op(
+                "getMapStreets",
+                "The street lines drawn under the live map (map.streets), or none",
+                tag="map",
+                ok={
+                    "type": "object",
+                    "required": ["lines", "bbox"],
+                    "properties": {
+                        "lines": {"type": "array", "items": {"type": "array", "items": _NUM}},
+                        "bbox": {"type": ["array", "null"], "items": _NUM},
+                    },
+                },
+                errors=(401, 403, 404),
+                description=viewers,
+            )
+        },
+        "/v1/map/stream": {
+            "get": _op(
+                "getMapStream",
+                "The live map's feed: Server-Sent Events, one `frame` event a second",
+                tag="map",
+                ok_response={
+                    "description": "text/event-stream; each event is `event: frame` with a MapFrame as its data",
+                    "content": {"text/event-stream": {"schema": _MAP_FRAME}},
+                },
+                errors=(401, 403, 404, 503),
+                description=viewers + " At most 8 feeds at once (503 overloaded beyond).",
+            )
+        },
+    }
+
+
 def _windows_op() -> dict[str, object]:
     op = _op(
         "listWindows",
@@ -316,7 +421,7 @@ def _windows_op() -> dict[str, object]:
 
 def broker_openapi() -> dict[str, object]:
     paths: dict[str, object] = {}
-    for path, operations in _operations().items():
+    for path, operations in (_operations() | _map_operations()).items():
         names = [name for name in _PARAMETERS if "{" + name + "}" in path]
         item: dict[str, object] = dict(operations)
         if names:
@@ -331,10 +436,11 @@ def broker_openapi() -> dict[str, object]:
             "title": "kcloak broker",
             "version": __version__,
             "description": "The HTTP door of kcloak's v1 interface. With tokens configured every /v1/ route but "
-            "/v1/openapi.json, /v1/asyncapi.json and /v1/info needs a bearer token acting for {user}; in open "
-            "mode the header is ignored. Every error is the Error body. Reason codes: docs/interface.md.",
+            "/v1/openapi.json, /v1/asyncapi.json and /v1/info needs a bearer token acting for {user} (the live "
+            "map's /v1/map/ routes: a user in auth.map_viewers); in open mode the header is ignored. Every error "
+            "is the Error body. Reason codes: docs/interface.md.",
         },
-        "tags": [{"name": t} for t in ("fixes", "profiles", "queries", "sessions", "published", "service")],
+        "tags": [{"name": t} for t in ("fixes", "profiles", "queries", "sessions", "published", "service", "map")],
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": paths,
     }

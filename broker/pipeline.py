@@ -30,6 +30,7 @@ from kcloak.broker.forwarding import Background, Forwarder, Timing
 from kcloak.broker.history import RecentFixes
 from kcloak.broker.housekeeping import Housekeeping
 from kcloak.broker.intake import FIX_CHUNK, FixIntake, FixResult
+from kcloak.broker.livemap import LiveMap
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.modes import Views, build_cloaker, history_for, serving_mode
 from kcloak.broker.positions import Positions
@@ -104,6 +105,7 @@ class Pipeline:
             self.cloaker, positions=self.positions, views=self.views, metrics=metrics, queues=config.queues
         )
         self.background = Background()
+        self.livemap = LiveMap(config=config, metrics=metrics, positions=self.positions, clock=clock)
         self.forwarder = Forwarder(
             algorithm=self.algorithm,
             queue_capacity=config.queues.upstream,
@@ -112,6 +114,7 @@ class Pipeline:
             querylog=querylog,
             background=self.background,
             clock=clock,
+            on_region=self.livemap.region,
         )
         sc = config.sessions
         self.sessions = SessionTable(
@@ -307,7 +310,9 @@ class Pipeline:
     def _finish(self, transport: str, kind_label: str, answer: Answer, received: float, timing: Timing) -> QueryOutcome:
         status, reason = answer.status, answer.reason_label
         self.metrics.queries.labels(transport=transport, kind=kind_label, status=status, reason=reason).inc()
-        added = time.monotonic() - received - timing.upstream - timing.hold
+        total = time.monotonic() - received
+        self.livemap.answered(total)
+        added = total - timing.upstream - timing.hold
         self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
         return QueryOutcome(answer, kind_label, status, reason)
 

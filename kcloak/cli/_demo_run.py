@@ -103,6 +103,7 @@ class DemoConfig:
     max_update_age_s: float = DEMO_MAX_UPDATE_AGE_S
     area: tuple[float, float, float, float] | None = None  # None: :func:`demo_area` for ``users``
     seed: int | None = None
+    open_map: bool = False  # open the live map in a browser (``--open``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +240,14 @@ class _Display:
         return Group(table, clock)
 
 
-def demo_broker_config(cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mqtt_port: int, http_port: int) -> Config:
-    """The broker's configuration for the demo: loopback only, temp data dir, short publication windows."""
+def demo_broker_config(
+    cfg: DemoConfig, *, data_dir: Path, upstream_url: str, mqtt_port: int, http_port: int, streets: Path | None = None
+) -> Config:
+    """The broker's configuration for the demo: loopback only, temp data dir, short publication windows,
+    the demo's streets under the live map."""
     return Config().with_values(
         {
+            "map.streets": None if streets is None else str(streets),
             "http.listen": f"127.0.0.1:{http_port}",
             "mqtt.mode": "embedded",
             "mqtt.listen": f"127.0.0.1:{mqtt_port}",
@@ -319,6 +324,33 @@ def demo_area(users: int) -> tuple[float, float, float, float]:
     half_lon = half_lat / math.cos(math.radians(CITY_CENTRE[0]))
     lat, lon = CITY_CENTRE
     return (round(lon - half_lon, 6), round(lat - half_lat, 6), round(lon + half_lon, 6), round(lat + half_lat, 6))
+
+
+def write_streets_geojson(streets: StreetGraph, path: Path) -> Path:
+    """The street segments as one GeoJSON MultiLineString (each undirected segment once), for the live map."""
+    tail, head = streets.tail, streets.head
+    keep = tail < head
+    pairs = {(int(a), int(b)) for a, b in zip(tail[keep].tolist(), head[keep].tolist(), strict=True)}
+    pairs |= {(int(b), int(a)) for a, b in zip(tail[~keep].tolist(), head[~keep].tolist(), strict=True)}
+    lat, lon = streets.lat.tolist(), streets.lon.tolist()
+    lines = [[[round(lon[a], 6), round(lat[a], 6)], [round(lon[b], 6), round(lat[b], 6)]] for a, b in sorted(pairs)]
+    doc = {"type": "Feature", "properties": {}, "geometry": {"type": "MultiLineString", "coordinates": lines}}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
+    partial.replace(path)  # whole or absent: the broker reads it once it is there
+    return path
+
+
+async def _open_browser(url: str, tell: Callable[[str], None]) -> None:
+    """Open ``url`` in the user's browser (Python's :mod:`webbrowser`); say so if there is none."""
+    import webbrowser
+
+    try:
+        opened = await asyncio.to_thread(webbrowser.open, url)
+    except webbrowser.Error:
+        opened = False
+    if not opened:
+        tell(f"      --open: no browser to open here; open {url} yourself")
 
 
 def prepare_streets(bbox: tuple[float, float, float, float]) -> StreetGraph:
@@ -499,11 +531,13 @@ async def run_demo(
     live: bool = False,
     console: Console | None = None,
     started: float | None = None,
+    observer: DemoObserver | None = None,
 ) -> DemoResult:
     """Run the demo and write its report; ``stop`` (or SIGINT/SIGTERM) ends the simulation early.
 
     ``started`` (:func:`time.monotonic`; default now) is when the demo began, e.g. when the
-    ``kcloak`` process started: ``duration_s`` and the timings count from there.
+    ``kcloak`` process started: ``duration_s`` and the timings count from there. ``observer``
+    (default a new :class:`DemoObserver`) sees what the simulated users send and receive.
 
     Users stop at :func:`traffic_end` even if the simulation falls behind its own schedule (an
     overloaded machine), so the demo ends on time; outstanding answers are then awaited briefly
@@ -515,7 +549,7 @@ async def run_demo(
     stop = stop or asyncio.Event()
     t_start = time.monotonic() if started is None else started
     timings: dict[str, float] = {}
-    observer = DemoObserver()
+    observer = DemoObserver() if observer is None else observer
     broken: str | None = None
     interrupt = asyncio.Event()
     area = cfg.area or demo_area(cfg.users)
@@ -525,8 +559,16 @@ async def run_demo(
         streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
         try:
             async with ReferenceLbs(log_path=work / "lbs.log") as lbs:
+                # The live map draws the demo's streets, written once they are ready (the broker reads
+                # the file when it appears).
+                streets_file = work / "streets.geojson"
                 bcfg = demo_broker_config(
-                    cfg, data_dir=work / "data", upstream_url=lbs.url, mqtt_port=free_port(), http_port=free_port()
+                    cfg,
+                    data_dir=work / "data",
+                    upstream_url=lbs.url,
+                    mqtt_port=free_port(),
+                    http_port=free_port(),
+                    streets=streets_file,
                 )
                 async with BrokerProcess(bcfg, workdir=work) as broker:
                     await _first_of(broker.ready(), interrupt)
@@ -535,11 +577,14 @@ async def run_demo(
                         f"127.0.0.1:{broker.mqtt_port}, HTTP on 127.0.0.1:{broker.http_port} "
                         f"({time.monotonic() - t_start:.1f} s)"
                     )
+                    tell(f"      live map: {broker.url}/map (while the demo runs)")
+                    opener = asyncio.create_task(_open_browser(f"{broker.url}/map", tell)) if cfg.open_map else None
+                    streets = await _first_of(streets_task, interrupt)
+                    await asyncio.to_thread(write_streets_geojson, streets, streets_file)
                     n_pois = await _first_of(lbs.ready(), interrupt)
                     tell(
                         f"[2/4] reference LBS: {n_pois} Beijing POIs on {lbs.url} ({time.monotonic() - t_start:.1f} s)"
                     )
-                    streets = await streets_task
                     km = float(streets.length_m.sum()) / 2000.0
                     side_km = (area[3] - area[1]) * math.pi / 180 * 6371.0088
                     timings["startup_s"] = time.monotonic() - t_start
@@ -579,6 +624,8 @@ async def run_demo(
                         timer.cancel()
                         stop_on.cancel()
                     timings["simulation_s"] = time.monotonic() - t_sim
+                    if opener is not None and not opener.done():
+                        opener.cancel()  # the browser command is still running: the demo does not wait for it
                     moving_s = sim_summary.duration_s if sim_summary is not None else observer.running_span_s()
                     if observer.first_update_t is not None:
                         timings["placing_s"] = observer.first_update_t - t_sim

@@ -85,7 +85,8 @@ def add_parser(subparsers: SubParsers) -> None:
             "Start the kcloak broker (kcloak serve with embedded MQTT) and the reference LBS with the bundled "
             "Beijing POIs as child processes on free loopback ports over a temporary data directory, drive "
             "simulated users along the Beijing streets with a mix of privacy profiles (k = 5, 10, 20), show "
-            "live progress, stop by itself about --duration seconds after the start, start-up included "
+            "live progress and a live map in the browser (its URL is printed; --open opens it), stop by itself "
+            "about --duration seconds after the start, start-up included "
             "(or at Ctrl-C), print a summary and write a report folder: summary.json, "
             "map.png (users and recent cloaked regions over the streets), cloak_area.png, achieved_k.png, "
             "latency.png."
@@ -127,6 +128,12 @@ def add_parser(subparsers: SubParsers) -> None:
         help="report folder (./kcloak-demo-report)",
     )
     p.add_argument("--no-progress", action="store_true", help="no live table on stderr (also off when not a TTY)")
+    p.add_argument(
+        "--open",
+        action="store_true",
+        dest="open_map",
+        help="open the live map (http://127.0.0.1:PORT/map, printed at start) in a browser",
+    )
     p.set_defaults(func=run)
 
 
@@ -142,7 +149,13 @@ def run(args: argparse.Namespace) -> int:
     if report.exists() and not report.is_dir():
         print(f"kcloak demo: error: --report: {report} exists and is not a folder", file=sys.stderr)
         return 2
-    cfg = DemoConfig(users=args.users, duration_s=args.duration, algorithm=args.algorithm, report_dir=report)
+    cfg = DemoConfig(
+        users=args.users,
+        duration_s=args.duration,
+        algorithm=args.algorithm,
+        report_dir=report,
+        open_map=args.open_map,
+    )
     setup_logging("warning", "text")
     live = not args.no_progress and sys.stderr.isatty()
     try:

@@ -47,6 +47,8 @@ _FLAG_KEYS = {
     "publish_k": "publish.k",
     "publish_delta_m": "publish.delta_m",
     "publish_method": "publish.method",
+    "map_min_k": "map.min_k",
+    "map_streets": "map.streets",
     "log_level": "log.level",
     "log_format": "log.format",
 }
@@ -101,6 +103,13 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--publish-k", type=int, metavar="K", help="k of published trajectories (5)")
     p.add_argument("--publish-delta-m", type=float, metavar="M", help="delta of published trajectories (500)")
     p.add_argument("--publish-method", metavar="NAME", help="nwa, w4m or microagg (nwa)")
+    p.add_argument(
+        "--map-min-k",
+        type=int,
+        metavar="K",
+        help="the live map (GET /map) hides density cells with fewer users than this or profile.k (10)",
+    )
+    p.add_argument("--map-streets", metavar="FILE", help="GeoJSON street lines drawn under the live map (none)")
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (info)")
     p.add_argument("--log-format", metavar="json|text", help="log line format (json)")
     c = p.add_argument_group(

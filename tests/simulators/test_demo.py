@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr()
     assert "kcloak demo summary" in out.out
     assert "[3/4]" in out.err
+    assert re.search(r"live map: http://127\.0\.0\.1:\d+/map", out.err)
 
 
 def test_ctrl_c_stops_early_and_still_writes_the_report(tmp_path: Path) -> None:
@@ -186,3 +188,34 @@ def test_crop_keeps_the_largest_component_inside_the_box() -> None:
     assert np.all((crop.lon > 116.385) & (crop.lat < 39.925))
     kept = {1, 2, 3, 4, 5}
     assert _edges(crop) == {e for e in _edges(graph) if e[0] in kept and e[1] in kept}
+
+
+def test_open_hands_the_map_url_to_the_users_browser(tmp_path: Path) -> None:
+    """``--open`` goes through Python's webbrowser, which honours $BROWSER: here a script that notes its argument."""
+    seen = tmp_path / "opened"
+    script = tmp_path / "browser.sh"
+    script.write_text(f'#!/bin/sh\nprintf "%s" "$1" > "{seen}"\n', encoding="utf-8")
+    script.chmod(0o755)
+    code = (
+        "import asyncio\n"
+        "from kcloak.cli._demo_run import _open_browser\n"
+        "asyncio.run(_open_browser('http://127.0.0.1:18999/map', print))\n"
+    )
+    # no display and an empty PATH: no other browser of this machine can be found (nor opened)
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env["PATH"] = str(tmp_path)
+    outputs = []
+    for browser in (f"{script} %s", "/bin/false %s"):  # one that works; then none that works
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", code],
+            env={**env, "BROWSER": browser},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
+    assert seen.read_text(encoding="utf-8") == "http://127.0.0.1:18999/map"
+    assert outputs[0] == ""  # opened: nothing to say
+    assert "open http://127.0.0.1:18999/map yourself" in outputs[1]  # the demo says what to open
