@@ -62,7 +62,9 @@ def add_parser(subparsers: SubParsers) -> None:
         "--users", type=int, metavar="N", help=f"synthetic population size ({DEFAULT_SYNTHETIC_USERS}; not with --data)"
     )
     c.add_argument("--seed", type=int, metavar="N", help="seed of population, queriers and observers (random)")
-    c.add_argument("--report", metavar="DIR", help="write audit_cloaking.json and pictures here")
+    c.add_argument(
+        "--report", metavar="DIR", help="write audit_cloaking.json and pictures here (pictures: the report extra)"
+    )
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     c.set_defaults(func=run_audit_cloaking)
@@ -88,7 +90,9 @@ def add_parser(subparsers: SubParsers) -> None:
     t.add_argument("--methods", default="", metavar="A,B", help="also anonymize ORIGINAL with these (nwa,w4m,microagg)")
     t.add_argument("--format", choices=FORMATS, default=None, help="format of ORIGINAL (by suffix)")
     t.add_argument("--seed", type=int, metavar="N", help="seed of the known points and anonymizations (random)")
-    t.add_argument("--report", metavar="DIR", help="write audit_trajectories.json and pictures here")
+    t.add_argument(
+        "--report", metavar="DIR", help="write audit_trajectories.json and pictures here (pictures: the report extra)"
+    )
     t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     t.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     t.set_defaults(func=run_audit_trajectories)
@@ -113,6 +117,7 @@ def _seed(value: int | None) -> int:
 def run_audit_cloaking(args: argparse.Namespace) -> int:
     """``kcloak audit cloaking``: exit 0 (an audit measures; it does not fail on a broken defence)."""
     from kcloak.cloaking.audit import AuditConfig, AuditError, run_audit, synthetic_world, trace_world, write_figures
+    from kcloak.core.extras import require_pictures
     from kcloak.core.readers import ReaderError, read_fixes
 
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
@@ -124,6 +129,8 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.observed_fraction) and 0 <= args.observed_fraction <= 1):
         raise UsageError("--observed-fraction: must be within [0, 1]")
     seed = _seed(args.seed)
+    if args.report:  # before the work, not after minutes of it
+        require_pictures()
     try:
         config = AuditConfig(
             algorithms=algorithms,
@@ -199,6 +206,7 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kcloak.core.extras import require_pictures
     from kcloak.core.readers import ReaderError, read_fixes
     from kcloak.streams.attacks import LinkageError, audit_trajectories, write_trajectory_figures
     from kcloak.streams.kdelta import KDeltaError
@@ -215,6 +223,8 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
         if mth not in TRAJECTORY_METHODS:
             raise UsageError(f"--methods: unknown method {mth!r} (known: {', '.join(TRAJECTORY_METHODS)})")
     seed = _seed(args.seed)
+    if args.report:
+        require_pictures()
     mapping = read_mapping(args.mapping) if args.mapping else None
     try:
         published = read_fixes(args.published, "csv")
