@@ -49,6 +49,8 @@ _FLAG_KEYS = {
     "publish_method": "publish.method",
     "log_level": "log.level",
     "log_format": "log.format",
+    "access_log": "log.access",
+    "stats_interval_s": "log.stats_interval_s",
 }
 
 
@@ -103,6 +105,19 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--publish-method", metavar="NAME", help="nwa, w4m or microagg (nwa)")
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (info)")
     p.add_argument("--log-format", metavar="json|text", help="log line format (json)")
+    p.add_argument(
+        "--access-log",
+        action="store_const",
+        const=True,
+        help="one log line per HTTP request: route pattern, method, status, duration, bytes (never a path "
+        "with its ids, a query string or a token); off by default",
+    )
+    p.add_argument(
+        "--stats-interval-s",
+        type=float,
+        metavar="S",
+        help="a counts-only stats line every S seconds (60; 0 = off)",
+    )
     c = p.add_argument_group(
         "cluster mode (docs/cluster.md)",
         "With --cluster this process is one worker of a kcloak cluster on NATS JetStream: its HTTP and "
