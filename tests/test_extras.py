@@ -17,13 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.conformance.conftest import free_port, http_json, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("matplotlib", "PIL", "nats", "dask", "distributed", "pandas", "movingpandas", "skmob")
@@ -62,36 +61,6 @@ def _run(tmp_path: Path, *args: str, timeout: float = 120.0) -> tuple[int, str, 
     return proc.returncode, proc.stdout, proc.stderr, asked
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http(method: str, url: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode} before answering"
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
 class _Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -118,7 +87,7 @@ def children() -> Iterator[_Children]:
 
 
 def test_serve_and_lbs_forward_a_query_without_the_extras(tmp_path: Path, children: _Children) -> None:
-    lbs_port, http_port = _free_port(), _free_port()
+    lbs_port, http_port = free_port(), free_port()
     lbs_rec, serve_rec = tmp_path / "lbs.json", tmp_path / "serve.json"
     lbs = children.start(tmp_path, lbs_rec, "lbs", "--http", f"127.0.0.1:{lbs_port}")
     serve = children.start(
@@ -128,7 +97,7 @@ def test_serve_and_lbs_forward_a_query_without_the_extras(tmp_path: Path, childr
         "--http",
         f"127.0.0.1:{http_port}",
         "--mqtt-listen",
-        f"127.0.0.1:{_free_port()}",
+        f"127.0.0.1:{free_port()}",
         "--upstream",
         f"http://127.0.0.1:{lbs_port}",
         "--data-dir",
@@ -136,17 +105,17 @@ def test_serve_and_lbs_forward_a_query_without_the_extras(tmp_path: Path, childr
         "--publish-window-s",
         "0",
     )
-    _wait(f"http://127.0.0.1:{lbs_port}/healthz", lbs)
+    wait_http(f"http://127.0.0.1:{lbs_port}/healthz", proc=lbs)
     base = f"http://127.0.0.1:{http_port}"
-    _wait(f"{base}/healthz", serve)
+    wait_http(f"{base}/healthz", proc=serve)
     now = time.time()
     updates = [
         {"user": f"u{i}", "t": now, "lat": 39.9087 + 0.0004 * (i % 5), "lon": 116.3975 + 0.0004 * (i // 5)}
         for i in range(20)
     ]
-    status, body = _http("POST", f"{base}/v1/locations", {"updates": updates})
+    status, _, body = http_json("POST", f"{base}/v1/locations", {"updates": updates})
     assert (status, body["accepted"]) == (200, 20), body
-    status, answer = _http(
+    status, _, answer = http_json(
         "POST", f"{base}/v1/users/u7/query", {"query_id": "q1", "kind": "knn", "n": 3, "category": "restaurant"}
     )
     assert status == 200 and answer["status"] == "ok", answer  # cloaked and forwarded to the LBS
@@ -159,7 +128,19 @@ def test_serve_and_lbs_forward_a_query_without_the_extras(tmp_path: Path, childr
 
 def test_cloak_anonymize_and_release_without_the_extras(tmp_path: Path) -> None:
     code, out, err, asked = _run(
-        tmp_path, "bench", "cloak", "--users", "2000", "--requests", "200", "--k", "5", "--json", "--no-progress"
+        tmp_path,
+        "bench",
+        "cloak",
+        "--users",
+        "2000",
+        "--requests",
+        "100",
+        "--k",
+        "5",
+        "--algorithms",
+        "nn,hilbert",
+        "--json",
+        "--no-progress",
     )
     assert code == 0, err
     results = json.loads(out)
