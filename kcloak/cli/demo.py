@@ -88,7 +88,7 @@ def add_parser(subparsers: SubParsers) -> None:
             "live progress, stop by itself about --duration seconds after the start, start-up included "
             "(or at Ctrl-C), print a summary and write a report folder: summary.json, "
             "map.png (users and recent cloaked regions over the streets), cloak_area.png, achieved_k.png, "
-            "latency.png."
+            "latency.png (the pictures need the report extra: pip install 'kcloak[report]')."
         ),
         epilog=(
             "Demo settings: users drive on the streets of a square around central Beijing sized for "
