@@ -6,7 +6,7 @@ Every 4xx/5xx leaves as the contract's error body: a middleware rewrites aiohttp
 requests that do not even parse (over-long lines, bad framing) the same way, without quoting
 them back or logging them. Access is counted per route *template*, never per concrete path: the
 ``kcloak_http_requests`` counter, the ``kcloak_http_request_duration_seconds`` histogram and, with
-``log.access``, one JSON access line per request (:class:`RouteAccessLog`).
+``log.access``, one JSON access line per request (:func:`route_access_log`).
 """
 
 from __future__ import annotations
