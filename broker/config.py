@@ -166,6 +166,11 @@ class PublishConfig:
 class LogConfig:
     level: str = _c("info")
     format: str = _c("json")
+    # Extensions (docs/configuration.md "Logs and metrics"): one JSON line per HTTP request (route
+    # pattern, status, duration, bytes: never a path, query string, id or token), and a counts-only
+    # stats line every stats_interval_s (0 turns it off).
+    access: bool = _c(False, "extension: one line per HTTP request")
+    stats_interval_s: float = _c(60.0, "extension: counts-only stats line; 0 = off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +274,8 @@ class Config:
                     zero_ok = f.name in ("retries", "window_s", "trash_max", "max_clock_skew_s")
                     if v < 0 or (v == 0 and not zero_ok):
                         raise ConfigError(f"{section}.{f.name}: must be {'≥ 0' if zero_ok else '> 0'}")
+        if self.log.stats_interval_s < 0:
+            raise ConfigError("log.stats_interval_s: must be ≥ 0 (0 turns the stats line off)")
         if self.mqtt.ingest_connections < 1:
             raise ConfigError("mqtt.ingest_connections: must be ≥ 1")
         if self.publish.trash_max >= 1:

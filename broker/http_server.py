@@ -4,7 +4,9 @@ pipeline — the same pipeline the MQTT door calls.
 Every 4xx/5xx leaves as the contract's error body: a middleware rewrites aiohttp's own
 404/405/413 and any exception of a handler, and :class:`HttpServer`'s connection handler answers
 requests that do not even parse (over-long lines, bad framing) the same way, without quoting
-them back or logging them. Access is counted per route *template*, never per concrete path.
+them back or logging them. Access is counted per route *template*, never per concrete path: the
+``kcloak_http_requests`` counter, the ``kcloak_http_request_duration_seconds`` histogram and, with
+``log.access``, one JSON access line per request (:func:`route_access_log`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from kcloak import __version__
@@ -45,6 +48,7 @@ from kcloak.wire.payloads import (
 )
 
 log = logging.getLogger("kcloak.http")
+access_logger = logging.getLogger("kcloak.access")
 
 PIPELINE = web.AppKey("pipeline", Pipeline)
 CONFIG = web.AppKey("config", Config)
@@ -176,8 +180,11 @@ async def error_middleware(
         metrics.http_requests.labels(route=route, method=_method_label(request.method), status=str(status)).inc()
 
 
-def _route_template(request: web.Request) -> str:
-    info = request.match_info
+def _route_template(request: web.BaseRequest) -> str:
+    try:
+        info = request.match_info if isinstance(request, web.Request) else None
+    except AssertionError:  # a request that did not parse has no match (aiohttp asserts there is one)
+        return "unmatched"
     route = getattr(info, "route", None)
     resource = getattr(route, "resource", None)
     if resource is None:
@@ -663,6 +670,32 @@ def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, sta
 
 
 # -- the listener ------------------------------------------------------------------------------
+def route_access_log(metrics: Metrics, *, emit: bool) -> type[AbstractAccessLogger]:
+    """aiohttp's access-log hook for one server: every request, answered or not parsed, is timed into
+    ``metrics.http_seconds`` by route pattern, method and status class, and with ``emit`` logged as
+    one ``http_access`` line (route pattern, method, status, duration, bytes sent) on ``kcloak.access``.
+    The concrete path, the query string, headers and the peer's address are never read."""
+
+    class RouteAccessLog(AbstractAccessLogger):
+        def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+            route = _route_template(request)
+            method = _method_label(request.method)
+            status_class = f"{response.status // 100}xx"
+            metrics.http_seconds.labels(route=route, method=method, status_class=status_class).observe(time)
+            if emit:
+                log_event(
+                    access_logger,
+                    "http_access",
+                    method=method,
+                    route=route,
+                    status=response.status,
+                    duration_s=round(time, 6),
+                    bytes_sent=response.body_length,
+                )
+
+    return RouteAccessLog
+
+
 def _protocol_error(exc: BaseException | None) -> tuple[ReasonCode, str]:
     """The contract error for a request aiohttp could not parse, with a generic message."""
     if isinstance(exc, LineTooLong):
@@ -722,16 +755,27 @@ class HttpServer:
 
     Keyword arguments: ``host``, ``port`` (0 picks a free one, see :attr:`port`),
     ``head_timeout_s`` (a connection without a complete request head for that long, idle
-    keep-alive included, is closed) and ``metrics``. Entering listens; leaving stops listening,
+    keep-alive included, is closed), ``metrics`` and ``access_log`` (one JSON line per request,
+    ``log.access``; off by default). Entering listens; leaving stops listening,
     lets requests in flight finish briefly, and closes every connection.
     """
 
-    def __init__(self, app: web.Application, *, host: str, port: int, head_timeout_s: float, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        host: str,
+        port: int,
+        head_timeout_s: float,
+        metrics: Metrics,
+        access_log: bool = False,
+    ) -> None:
         self._app = app
         self._host = host
         self._port = port
         self._head_timeout_s = head_timeout_s
         self._metrics = metrics
+        self._access_log_class = route_access_log(metrics, emit=access_log)
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self.port = port
@@ -747,7 +791,12 @@ class HttpServer:
             # aiohttp's keep-alive timer runs from the connection's start (and from each response)
             # and closes the connection if no complete request head has arrived by then.
             return _ConnectionHandler(
-                manager, loop=loop, metrics=self._metrics, keepalive_timeout=self._head_timeout_s, access_log=None
+                manager,
+                loop=loop,
+                metrics=self._metrics,
+                keepalive_timeout=self._head_timeout_s,
+                access_log=access_logger,  # handed to the hook, which times every request
+                access_log_class=self._access_log_class,
             )
 
         try:

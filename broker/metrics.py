@@ -1,7 +1,9 @@
 """Prometheus metrics of the broker (contract §10), on a registry of its own.
 
 Label values come only from fixed sets (transports, topics, reason codes, algorithms, queue
-names): never a user id, query id, coordinate or anything a client chose.
+names, HTTP route patterns): never a user id, query id, coordinate or anything a client chose.
+The registry also carries prometheus-client's process collector (``process_cpu_seconds_total``,
+``process_resident_memory_bytes``, ``process_open_fds``, ...; Linux only, empty elsewhere).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Self
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client 0.26 lacks its "-> None"
@@ -58,6 +60,7 @@ class Metrics:
 
     def __init__(self, *, version: str, algorithm: str) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)
         self.build_info = Gauge("kcloak_build_info", "Build information", ["version", "algorithm"], registry=r)
         self.build_info.labels(version=version, algorithm=algorithm).set(1)
         self.messages = Counter("kcloak_messages", "Messages received", ["transport", "topic"], registry=r)
@@ -116,6 +119,14 @@ class Metrics:
         self.trashed_trajectories = Counter("kcloak_trashed_trajectories", "Trajectories trashed", registry=r)
         self.mqtt_connected = Gauge("kcloak_mqtt_connected", "1 while the MQTT session is up", registry=r)
         self.http_requests = Counter("kcloak_http_requests", "HTTP requests", ["route", "method", "status"], registry=r)
+        # Extension: from the request head to the response written, by route pattern (never the concrete path).
+        self.http_seconds = Histogram(
+            "kcloak_http_request_duration_seconds",
+            "HTTP request head to response written, by route pattern",
+            ["route", "method", "status_class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Extensions (docs/contract-extensions.md): whether each store can write.
         self.store_healthy = Gauge(
             "kcloak_store_healthy",

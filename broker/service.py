@@ -23,6 +23,7 @@ from kcloak.broker.config import Config, parse_listen
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
+from kcloak.broker.stats import StatsLine
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
 from kcloak.broker.upstream import UpstreamClient
 from kcloak.core.logs import log_event
@@ -71,6 +72,9 @@ class Service:
             await self._cancel_tasks()
             await self._stack.aclose()
             raise
+        if self.config.log.stats_interval_s > 0:  # cancelled with the other tasks when the service stops
+            stats = StatsLine(registry=self.metrics.registry, interval_s=self.config.log.stats_interval_s)
+            self._tasks.append(asyncio.create_task(stats.run(), name="stats"))
         return self
 
     async def _start(self) -> None:
@@ -82,7 +86,12 @@ class Service:
 
         host, port = parse_listen(self.config.http.listen)
         server = HttpServer(
-            app, host=host, port=port, head_timeout_s=self.config.http.head_timeout_s, metrics=self.metrics
+            app,
+            host=host,
+            port=port,
+            head_timeout_s=self.config.http.head_timeout_s,
+            metrics=self.metrics,
+            access_log=self.config.log.access,
         )
         try:
             await self._stack.enter_async_context(server)

@@ -54,6 +54,7 @@ from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, get_cloaker
 from kcloak.cloaking.errors import CloakingError
 from kcloak.cloaking.index import IndexView
 from kcloak.core.errors import InputError
+from kcloak.core.extras import require_pictures
 from kcloak.core.geometry import EARTH_RADIUS_M, BBox
 from kcloak.core.places import PlacesLayer
 from kcloak.core.profile import PrivacyProfile, ProfileArrays
@@ -600,11 +601,9 @@ def _row(
 # -- pictures ---------------------------------------------------------------------------------
 def write_figures(report: AuditReport, directory: Any) -> list[str]:
     """``attack_success.png`` (success per cloaker against 1/k) and ``frontier.png`` (success vs median area)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     from pathlib import Path
 
+    require_pictures()
     import matplotlib.pyplot as plt
 
     out = Path(directory)

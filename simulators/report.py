@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.core.extras import require_pictures
 from kcloak.simulators.streets import StreetGraph
 
 if TYPE_CHECKING:
@@ -449,7 +450,10 @@ def plot_latency(path: Path, latency_s: Sequence[float]) -> None:
 
 
 def load_plotting() -> None:
-    """Import what the pictures need (about a second), e.g. in a worker thread while a run goes on."""
+    """Import what the pictures need (about a second), e.g. in a worker thread while a run goes on.
+
+    Raises :class:`~kcloak.core.extras.MissingExtra` without the ``report`` extra."""
+    require_pictures()
     import matplotlib.backends.backend_agg
     import matplotlib.collections
     import matplotlib.colors
@@ -475,11 +479,16 @@ def write_report(
     max_area_m2: float | None = None,
     requested_k: Sequence[int] = (),
     map_dpi: int = 110,
+    pictures: bool = True,
 ) -> list[Path]:
-    """Write ``summary.json`` and the four pictures into ``directory`` (created); returns the paths."""
+    """Write ``summary.json`` and (unless ``pictures`` is false) the four pictures into ``directory``
+    (created); returns the paths. Pictures need the ``report`` extra (:class:`~kcloak.core.extras.MissingExtra`)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "summary.json", *(directory / name for name in PICTURES)]
     write_summary(paths[0], summary)
+    if not pictures:
+        return paths[:1]
+    require_pictures()
     title = (
         f"kcloak demo: {summary['algorithm']}, {summary['users']:,} users, "
         f"success rate {_percent(summary['success_rate'])}"

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.core.errors import InputError
+from kcloak.core.extras import require_pictures
 from kcloak.core.geometry import haversine_m_array
 from kcloak.streams.errors import StreamsError
 from kcloak.streams.trajectory import Trajectory
@@ -454,9 +455,7 @@ def write_trajectory_figures(audit: TrajectoryAudit, directory: Any) -> list[str
     """``linkage.png`` (re-identification per target and m against 1/k) and ``frontier.png`` (vs translation)."""
     from pathlib import Path
 
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require_pictures()
     import matplotlib.pyplot as plt
 
     out = Path(directory)

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kcloak.core.errors import BenchError
+from kcloak.core.extras import require_pictures
 from kcloak.core.geometry import Aeqd
 from kcloak.core.readers import FixTable
 
@@ -330,9 +331,7 @@ def tradeoff_grid(
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str) -> None:
     """The (k, δ) trade-off as a picture (PNG/SVG/PDF by suffix): one panel per measure, range-query
     distortion, mean translation and trash against δ, one line per (method, k). Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require_pictures()
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 

@@ -48,6 +48,7 @@ from kcloak.broker.cluster.topology import (
     ensure_layout,
     in_subject,
     partition_of,
+    require_nats,
     subject_token,
 )
 from kcloak.broker.config import Config
@@ -600,7 +601,7 @@ class ClusterGateway(Service):
         return shown + (f" (and {more} more)" if more > 0 else "")
 
     async def _connect(self) -> Any:
-        import nats
+        nats = require_nats()
 
         async def quiet(exc: Exception) -> None:  # nats-py logs whole tracebacks by default
             log_event(log, "nats_error", logging.WARNING, error=type(exc).__name__)

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from kcloak.broker.config import ConfigError
 from kcloak.broker.errors import BrokerError
+from kcloak.core.extras import CLUSTER, require
 
 IN_STREAM = "KCLOAK_IN"
 CELLS_STREAM = "KCLOAK_CELLS"
@@ -344,9 +346,14 @@ async def _quiet_error(exc: Exception) -> None:
     """nats-py's default error callback prints a traceback for every failed connection attempt."""
 
 
+def require_nats() -> ModuleType:
+    """nats-py, or :class:`~kcloak.core.extras.MissingExtra` naming the ``cluster`` extra."""
+    return require("nats", extra=CLUSTER, purpose="NATS connections (cluster mode)")
+
+
 async def connect_nats(servers: list[str], *, timeout: float = 3.0, reconnect: bool = True) -> Any:
     """A connected ``nats.aio.client.Client`` or :class:`NatsUnreachable` (no traceback on stderr)."""
-    import nats
+    nats = require_nats()
 
     try:
         return await nats.connect(

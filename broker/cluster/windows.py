@@ -12,26 +12,19 @@ import uuid
 from types import ModuleType
 from typing import Any
 
-from kcloak.broker.errors import BrokerError
 from kcloak.cloaking.cells import CellMap
+from kcloak.core.extras import CLUSTER, MissingExtra, require
 from kcloak.core.readers import FixTable
 from kcloak.streams.partitioned import PartParams, anonymize_part, plan_window
 from kcloak.streams.publish import Release
 
-INSTALL_HINT = "pip install 'kcloak[cluster]' (or: pip install -e '.[cluster]' in a checkout)"
-
-
-class DaskMissing(BrokerError, RuntimeError):
-    """Dask distributed is not installed (the ``cluster`` extra is absent)."""
+DaskMissing = MissingExtra
+"""Dask distributed is not installed (the ``cluster`` extra is absent)."""
 
 
 def require_dask() -> ModuleType:
-    """The ``distributed`` module, or :class:`DaskMissing` saying how to install it."""
-    try:
-        import distributed
-    except ImportError:
-        raise DaskMissing(f"window publication on Dask needs the 'cluster' extra: {INSTALL_HINT}") from None
-    return distributed
+    """The ``distributed`` module, or :class:`~kcloak.core.extras.MissingExtra` saying how to install it."""
+    return require("distributed", extra=CLUSTER, purpose="windows published on Dask")
 
 
 def anonymize_on_dask(

@@ -31,7 +31,7 @@ from kcloak.broker.cluster.moves import TimerParams, WindowTimer
 from kcloak.broker.cluster.owner import CellOwner, querylog_path
 from kcloak.broker.cluster.pinned import install_fast_header_parsing
 from kcloak.broker.cluster.router import Router
-from kcloak.broker.cluster.topology import Layout, ensure_layout
+from kcloak.broker.cluster.topology import Layout, ensure_layout, require_nats
 from kcloak.broker.config import Config
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import QueryLog
@@ -95,8 +95,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect, create the layout (idempotent), join every partition's and every cell's group."""
-        import nats
-
+        nats = require_nats()
         install_fast_header_parsing()
         self.nc = await nats.connect(
             servers=self.servers,

@@ -97,6 +97,7 @@ class DemoConfig:
     duration_s: float = 60.0
     algorithm: str = "hilbert"
     report_dir: Path = Path("kcloak-demo-report")
+    pictures: bool = True  # False: summary.json only (no report extra, or --no-pictures)
     queries_per_min: float = DEMO_QUERIES_PER_MIN
     query_kind: str = DEMO_QUERY_KIND
     publish_window_s: int = DEMO_PUBLISH_WINDOW_S
@@ -606,7 +607,7 @@ async def run_demo(
                         profile_broker=broker.url,
                     )
                     t_sim = time.monotonic()
-                    plotting = asyncio.create_task(asyncio.to_thread(load_plotting))
+                    plotting = asyncio.create_task(asyncio.to_thread(load_plotting if cfg.pictures else _nothing))
                     stop_on = asyncio.create_task(_forward(interrupt, stop))
                     timer = asyncio.create_task(_deadline(observer, t_start, cfg.duration_s, stop))
                     try:
@@ -656,6 +657,7 @@ async def run_demo(
                             streets=streets,
                             max_area_m2=bcfg.profile.max_area_m2,
                             requested_k=_requested_k(),
+                            pictures=cfg.pictures,
                         )
                     )
                     try:
@@ -686,6 +688,10 @@ async def _first_of(work: Awaitable[T], interrupt: asyncio.Event) -> T:
             await task
         raise KeyboardInterrupt
     return task.result()
+
+
+def _nothing() -> None:
+    """What the demo warms up instead of :func:`load_plotting` when it draws no pictures."""
 
 
 async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:

@@ -59,7 +59,9 @@ def add_parser(subparsers: SubParsers) -> None:
         "--users", type=int, metavar="N", help=f"synthetic population size ({DEFAULT_SYNTHETIC_USERS}; not with --data)"
     )
     c.add_argument("--seed", type=int, metavar="N", help="seed of population, queriers and observers (random)")
-    c.add_argument("--report", metavar="DIR", help="write audit_cloaking.json and pictures here")
+    c.add_argument(
+        "--report", metavar="DIR", help="write audit_cloaking.json and pictures here (pictures: the report extra)"
+    )
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     c.set_defaults(func=run_audit_cloaking)
@@ -85,7 +87,9 @@ def add_parser(subparsers: SubParsers) -> None:
     t.add_argument("--methods", default="", metavar="A,B", help="also anonymize ORIGINAL with these (nwa,w4m,microagg)")
     t.add_argument("--format", choices=FORMATS, default=None, help="format of ORIGINAL (by suffix)")
     t.add_argument("--seed", type=int, metavar="N", help="seed of the known points and anonymizations (random)")
-    t.add_argument("--report", metavar="DIR", help="write audit_trajectories.json and pictures here")
+    t.add_argument(
+        "--report", metavar="DIR", help="write audit_trajectories.json and pictures here (pictures: the report extra)"
+    )
     t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     t.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     t.set_defaults(func=run_audit_trajectories)
@@ -120,10 +124,13 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
         run_audit,
         write_figures,
     )
+    from kcloak.core.extras import require_pictures
     from kcloak.core.readers import ReaderError, read_fixes
 
     algorithms = tuple(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
     ks = _ints(args.k, "--k")
+    if args.report:  # before the work, not after minutes of it
+        require_pictures()
     try:
         check_population(
             snapshots=args.snapshots,
@@ -205,6 +212,7 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kcloak.core.extras import require_pictures
     from kcloak.core.readers import ReaderError, read_fixes
     from kcloak.streams.attacks import (
         LinkageError,
@@ -221,6 +229,8 @@ def run_audit_trajectories(args: argparse.Namespace) -> int:
     except LinkageError as exc:
         raise UsageError(str(exc)) from None
     seed = _seed(args.seed)
+    if args.report:
+        require_pictures()
     mapping = read_mapping(args.mapping) if args.mapping else None
     try:
         published = read_fixes(args.published, "csv")

@@ -45,7 +45,10 @@ def add_parser(bench: SubParsers) -> None:
         "--deltas", default=None, metavar="M,M", help="(k, δ) trade-off: sweep these δ in metres (with --ks or --k)"
     )
     p.add_argument(
-        "--plot", default=None, metavar="FILE.png", help="draw the (k, δ) trade-off here (matplotlib; .png/.svg/.pdf)"
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw the (k, δ) trade-off here (.png/.svg/.pdf; needs the report extra)",
     )
     p.add_argument("--trash-max", type=float, default=0.1, metavar="F", help="largest trashed fraction (0.1)")
     p.add_argument("--pi-s", type=float, default=60.0, metavar="S", help="nwa: time granularity pi_s (60)")
@@ -112,9 +115,12 @@ def config_from_args(args: argparse.Namespace) -> AnonymizeBenchConfig:
 def run(args: argparse.Namespace) -> int:
     """``kcloak bench anonymize``: 0 when at least one run finished (ok or refused by the bound), else 1."""
 
+    from kcloak.core.extras import require_pictures
     from kcloak.streams.bench import run_anonymize_bench
 
     config = config_from_args(args)
+    if args.plot:  # before the runs, not after them
+        require_pictures()
     show = not args.no_progress and sys.stderr.isatty()
     runs = len(config.specs())
     if show:
@@ -131,14 +137,10 @@ def run(args: argparse.Namespace) -> int:
         if sweep:
             print_tradeoff(rows)
     if args.plot:
-        try:
-            from kcloak.streams.bench import plot_tradeoff
+        from kcloak.streams.bench import plot_tradeoff
 
-            plot_tradeoff(rows, args.plot)
-        except ImportError:
-            print("--plot: matplotlib is not installed (pip install matplotlib); table only", file=sys.stderr)
-        else:
-            print(f"trade-off picture: {args.plot}", file=sys.stderr)
+        plot_tradeoff(rows, args.plot)
+        print(f"trade-off picture: {args.plot}", file=sys.stderr)
     return 0 if any(r["status"] in ("ok", "failed") for r in rows) else 1
 
 

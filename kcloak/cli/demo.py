@@ -89,7 +89,7 @@ def add_parser(subparsers: SubParsers) -> None:
             "about --duration seconds after the start, start-up included "
             "(or at Ctrl-C), print a summary and write a report folder: summary.json, "
             "map.png (users and recent cloaked regions over the streets), cloak_area.png, achieved_k.png, "
-            "latency.png."
+            "latency.png (the pictures need the report extra: pip install 'kcloak[report]')."
         ),
         epilog=(
             "Demo settings: users drive on the streets of a square around central Beijing sized for "
@@ -127,6 +127,11 @@ def add_parser(subparsers: SubParsers) -> None:
         metavar="DIR",
         help="report folder (./kcloak-demo-report)",
     )
+    p.add_argument(
+        "--no-pictures",
+        action="store_true",
+        help="write summary.json only, no pictures (also when the report extra, matplotlib, is not installed)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no live table on stderr (also off when not a TTY)")
     p.add_argument(
         "--open",
@@ -149,12 +154,18 @@ def run(args: argparse.Namespace) -> int:
     if report.exists() and not report.is_dir():
         print(f"kcloak demo: error: --report: {report} exists and is not a folder", file=sys.stderr)
         return 2
+    from kcloak.core.extras import PICTURES, REPORT, hint, pictures_available
+
+    pictures = not args.no_pictures and pictures_available()
+    if not args.no_pictures and not pictures:
+        print(f"kcloak demo: note: summary.json only: {hint(PICTURES, REPORT)}", file=sys.stderr)
     cfg = DemoConfig(
         users=args.users,
         duration_s=args.duration,
         algorithm=args.algorithm,
         report_dir=report,
         open_map=args.open_map,
+        pictures=pictures,
     )
     setup_logging("warning", "text")
     live = not args.no_progress and sys.stderr.isatty()

@@ -51,6 +51,8 @@ _FLAG_KEYS = {
     "map_streets": "map.streets",
     "log_level": "log.level",
     "log_format": "log.format",
+    "access_log": "log.access",
+    "stats_interval_s": "log.stats_interval_s",
 }
 
 
@@ -112,6 +114,19 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--map-streets", metavar="FILE", help="GeoJSON street lines drawn under the live map (none)")
     p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (info)")
     p.add_argument("--log-format", metavar="json|text", help="log line format (json)")
+    p.add_argument(
+        "--access-log",
+        action="store_const",
+        const=True,
+        help="one log line per HTTP request: route pattern, method, status, duration, bytes (never a path "
+        "with its ids, a query string or a token); off by default",
+    )
+    p.add_argument(
+        "--stats-interval-s",
+        type=float,
+        metavar="S",
+        help="a counts-only stats line every S seconds (60; 0 = off)",
+    )
     c = p.add_argument_group(
         "cluster mode (docs/cluster.md)",
         "With --cluster this process is one worker of a kcloak cluster on NATS JetStream: its HTTP and "
