@@ -175,6 +175,7 @@ class Router:
         self._cell_cache: dict[tuple[float, float], int] = {}
         self._owner_seen: dict[int, float] = {}
         self._profiles: dict[str, PrivacyProfile | None] = {}
+        self._profiles_complete = False
         self._kv: Any = None
         self._acks = PubAcks(nc)
         self._moves: list[tuple[str, float, float, float]] = []
@@ -201,9 +202,11 @@ class Router:
     async def rebuild(self) -> None:
         """Each user's state from the last event of every subject of this partition (on pin acquisition)."""
         self.users = {}
-        self._profiles = {}
+        self._profiles, self._profiles_complete = {}, False
         self._update_buckets = TokenBuckets(self.config.limits.update_rate, self.config.limits.update_burst)
         self.counters["rebuilds"] += 1
+        self._profiles = await self._read_profiles()
+        self._profiles_complete = True
         events = await read_last_per_subject(self.nc, CELLS_STREAM, partition_cells_filter(self.partition))
         for ev in events:
             try:
@@ -221,9 +224,26 @@ class Router:
                 st.fix_seq = 0
         log_event(log, "router_rebuilt", logging.INFO, partition=self.partition, users=len(self.users))
 
+    async def _read_profiles(self) -> dict[str, PrivacyProfile | None]:
+        """The stored profile of every user of this partition, in one read of the bucket (the last value of each
+        key). This router writes its users' profiles itself while pinned, so the map stays complete: a user
+        without an entry has the default profile, with no KV read per new user."""
+        prefix = f"$KV.{PROFILES_BUCKET}."
+        out: dict[str, PrivacyProfile | None] = {}
+        for ev in await read_last_per_subject(self.nc, f"KV_{PROFILES_BUCKET}", prefix + ">"):
+            token = ev.subject[len(prefix) :]
+            if not self.owns(token):
+                continue
+            try:
+                out[token] = PrivacyProfile.from_mapping(json.loads(ev.data), self.default_profile) if ev.data else None
+            except (ValueError, ProfileError):
+                out[token] = None
+        return out
+
     async def drop(self) -> None:
         self.users = {}
         self._profiles = {}
+        self._profiles_complete = False
 
     # -- messages ------------------------------------------------------------------------------
     async def handle(self, batch: list[Delivered]) -> None:
@@ -491,6 +511,8 @@ class Router:
     async def _stored_profile(self, token: str) -> PrivacyProfile | None:
         if token in self._profiles:
             return self._profiles[token]
+        if self._profiles_complete:
+            return None
         profile: PrivacyProfile | None = None
         try:
             entry = await (await self._kv_bucket()).get(token)

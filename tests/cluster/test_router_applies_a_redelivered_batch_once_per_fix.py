@@ -1,7 +1,8 @@
 """A gateway's intake ``batch`` (several users' fix messages of one partition in one intake message,
 docs/cluster.md "Envelope") redelivered after a router failover: the fixes its predecessor applied are
 accepted without a second event, the others are applied, and a user's two fixes in one message are both
-applied (each fix is known by its intake sequence and its position in the message).
+applied (each fix is known by its intake sequence and its position in the message). A profile stored before
+the router was pinned reaches the user's fix event (the router reads its partition's profiles at rebuild).
 
 The predecessor is played by this test: it publishes the cell events a router that died half-way through
 the batch would have left (the documented event format, ``in`` = intake sequence, ``i`` = position), then a
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kcloak.broker.cluster.topology import ensure_layout
 from tests.cluster.worker_fixtures import one_cell_worker, partition, token
 
 pytestmark = pytest.mark.cluster
@@ -46,10 +48,9 @@ def test_a_redelivered_batch_applies_exactly_the_fixes_not_yet_applied(nats_clus
     ann, ben, cat = (next(u for u in (f"{name}{i}" for i in range(99)) if partition(u, P) == 0) for name in "abc")
 
     async def scenario() -> None:
-        first = one_cell_worker(nats_cluster.urls, tmp_path)
-        await first.start()  # creates the layout; nothing to consume yet
-        await first.stop()
         nc = await nats.connect(servers=nats_cluster.urls)
+        second = one_cell_worker(nats_cluster.urls, tmp_path)
+        await ensure_layout(nc, second.layout)  # the streams and consumers, no member pulling yet
         js = nc.jetstream(timeout=10)
         t = time.time()
         fix = {ann: (t, 39.90), ben: (t, 39.91), cat: (t, 39.92)}
@@ -73,7 +74,8 @@ def test_a_redelivered_batch_applies_exactly_the_fixes_not_yet_applied(nats_clus
             body = {"e": "fix", "t": fix[user][0], "lat": fix[user][1], "lon": 116.4, "in": ack.seq, "i": i}
             subject = f"kcloak.cell.0.0.{token(user)}"
             seeded[user] = (await js.publish(subject, json.dumps(body).encode(), stream="KCLOAK_CELLS")).seq
-        second = one_cell_worker(nats_cluster.urls, tmp_path)
+        # cat's profile, stored before this router was pinned: read with the partition's profiles at its rebuild
+        await (await js.key_value("kcloak_profiles")).put(token(cat), json.dumps({"k": 7}).encode())
         await second.start()
         try:
             reply = json.loads((await sub.next_msg(timeout=20)).data)
@@ -91,7 +93,8 @@ def test_a_redelivered_batch_applies_exactly_the_fixes_not_yet_applied(nats_clus
             )
             # cat: not applied before, applied now
             _, event = await last_event(js, cat)
-            assert (event["lat"], event["in"], event["i"]) == (39.92, ack.seq, 3)
+            assert (event["lat"], event["in"], event["i"], event["k"]["k"]) == (39.92, ack.seq, 3, 7)
+            assert "k" not in (await last_event(js, ann))[1]  # no stored profile: the default, no "k"
             # the movement history got exactly the fixes applied now, once each
             assert sorted(await moves(js)) == sorted([(token(ann), 39.93), (token(cat), 39.92)])
             assert second.status()["counters"]["router"]["redelivered"] == 2
