@@ -89,26 +89,44 @@ async def run(
     started = time.monotonic()
     per_round = args.users
     rounds = max(1, args.fixes // per_round)
+    messages = 0
     for r in range(rounds):
         futs = []
+        parts: dict[int, list[dict[str, Any]]] = {}
         for u in users:
             lat, lon = pos[u]
             lat, lon = lat + rng.uniform(-3e-4, 3e-4), lon + rng.uniform(-3e-4, 3e-4)
             pos[u] = (lat, lon)
             tok = subject_token(u)
-            body = json.dumps({"t": base + r * 0.01, "lat": round(lat, 6), "lon": round(lon, 6)}).encode()
+            fix = {"t": base + r * 0.01, "lat": round(lat, 6), "lon": round(lon, 6)}
             n += 1
+            p = partition_of(tok, args.partitions)
+            if args.batch > 1:  # as a gateway batches a partition's fix messages (docs/cluster.md "Envelope")
+                parts.setdefault(p, []).append({"user": tok, "kind": "update", "body": fix})
+                if len(parts[p]) < args.batch:
+                    continue
+                subject, body = f"kcloak.in.{p}.batch.{tok}", json.dumps({"batch": parts.pop(p)}).encode()
+            else:
+                subject, body = f"kcloak.in.{p}.update.{tok}", json.dumps(fix).encode()
+            messages += 1
             futs.append(
                 js.publish(
-                    f"kcloak.in.{partition_of(tok, args.partitions)}.update.{tok}",
-                    body,
-                    stream="KCLOAK_IN",
-                    headers={"Nats-Msg-Id": f"bench/{n}", "Kcloak-Transport": "mqtt"},
+                    subject, body, stream="KCLOAK_IN", headers={"Nats-Msg-Id": f"bench/{n}", "Kcloak-Transport": "mqtt"}
                 )
             )
             if len(futs) >= 500:
                 await asyncio.gather(*futs)
                 futs = []
+        for p, rest in parts.items():
+            messages += 1
+            futs.append(
+                js.publish(
+                    f"kcloak.in.{p}.batch.{rest[0]['user']}",
+                    json.dumps({"batch": rest}).encode(),
+                    stream="KCLOAK_IN",
+                    headers={"Nats-Msg-Id": f"bench/{r}/{p}", "Kcloak-Transport": "mqtt"},
+                )
+            )
         await asyncio.gather(*futs)
     while not await drained(nc, args.cells):
         await asyncio.sleep(0.1)
@@ -145,6 +163,7 @@ async def run(
     return {
         "workers": len(worker_pids),
         "fixes": n,
+        "intake_messages": messages,
         "queries": args.queries,
         "worker_cpu_us_per_fix": (w1 - w0) / n * 1e6,
         "nats_cpu_us_per_fix": (n1 - n0) / n * 1e6,
@@ -162,6 +181,7 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=2_000)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--cells", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1, help="fixes per intake message (a gateway's batch)")
     parser.add_argument("--profile", default="", help="cProfile worker 0 into this file")
     parser.add_argument("--status", action="store_true", help="print each worker's counters to stderr at the end")
     args = parser.parse_args()

@@ -17,6 +17,11 @@ door needs the router's outcome, ``Kcloak-Reply`` (a core-NATS inbox of this gat
   without a PubAck.
 - One user's messages reach the stream in the order this gateway received them, retries included: each
   publish of a user waits for the PubAck (or the final failure) of the user's previous one.
+- Fixes are batched per partition (and transport): while a partition's intake message is waiting for its
+  PubAck, the fix messages that arrive for that partition queue up and go as one ``batch`` message next
+  (at most ``BATCH_MAX_FIXES`` fixes, ``BATCH_MAX_BYTES`` bytes). No timer: a lone fix goes at once; under
+  load a PubAck round trip gathers the next batch. One message in flight per partition keeps each user's
+  order, retries included.
 - A query: subscribe to its answer's out subject, publish, wait for the answer the answers stream
   republishes (bounded: the contract's ``max_delay_s + upstream.deadline_s + 1 s``; then, if the stream
   holds no answer either, ``overloaded``, as the single process answers a query still waiting then). A
@@ -33,6 +38,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -75,6 +81,10 @@ RETRY_BUDGET_S = 15.0
 REPLY_TIMEOUT_S = 15.0
 """How long an HTTP fix or a profile change waits for the router's outcome on ``Kcloak-Reply``."""
 CONNECT_TIMEOUT_S = 10.0
+BATCH_MAX_FIXES = 256
+"""Most fixes in one intake ``batch`` message of a partition."""
+BATCH_MAX_BYTES = 256 * 1024
+"""Most bytes of one intake ``batch`` message (well under NATS's default ``max_payload`` of 1 MB)."""
 
 
 def safe_endpoint(url: str) -> str:
@@ -167,11 +177,42 @@ class StoredAnswer:
         return self.body
 
 
+@dataclass(slots=True, eq=False)
+class _Tail:
+    """A user's latest message at this gateway: ``done`` ends with its publish (True: PubAcked), ``queue`` is
+    the partition queue it entered (batched fixes; None for others and before it entered)."""
+
+    done: asyncio.Future[bool]
+    queue: tuple[int, str] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Queued:
+    """One fix message waiting in its partition's queue (see :meth:`ClusterPipeline._enqueue_fixes`)."""
+
+    user: str
+    token: str
+    kind: str
+    data: bytes
+    fixes: int
+    tail: _Tail
+    codes: asyncio.Future[list[ReasonCode | None]] | None
+
+
 def _fix_object(raw: Any) -> Any:
     """A fix as JSON: a parsed :class:`Fix` (HTTP) or the app's object (MQTT, validated by the router)."""
     if isinstance(raw, Fix):
         return {"lat": raw.lat, "lon": raw.lon, "t": raw.t}
     return raw
+
+
+def _reason(code: Any) -> ReasonCode | None:
+    if code is None:
+        return None
+    try:
+        return ReasonCode(code)
+    except ValueError:
+        return ReasonCode.INTERNAL
 
 
 class ClusterPipeline:
@@ -208,7 +249,9 @@ class ClusterPipeline:
         self.gw = GatewayMetrics(metrics)
         self.admission = Admission(limits=config.limits, can_start_session=lambda _user: False)
         self._counter = itertools.count(1)
-        self._tails: dict[str, asyncio.Future[Any]] = {}
+        self._tails: dict[str, _Tail] = {}
+        self._queues: dict[tuple[int, str], deque[_Queued]] = {}
+        self._draining: set[tuple[int, str]] = set()
         self._replies: dict[str, asyncio.Future[bytes]] = {}
         self._reply_prefix = ""
         self._reply_sub: Any = None
@@ -262,24 +305,46 @@ class ClusterPipeline:
     async def publish(self, user: str, kind: str, body: Any, *, transport: str, reply: str | None = None) -> bool:
         """Publish one message of ``user`` to the intake stream after the user's previous one; True once
         PubAcked, False when the retry budget ran out (counted; the caller refuses it ``overloaded``)."""
-        previous = self._tails.get(user)
-        mine: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._tails[user] = mine
+        mine = _Tail(asyncio.get_running_loop().create_future())
+        ok = False
         try:
-            if previous is not None and not previous.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(previous)
-            return await self._publish(self._subject(user, kind), kind, body, transport, reply)
+            await self._after_previous(user, mine)
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            ok = await self._publish(self._subject(user, kind), kind, payload, transport, reply)
+            return ok
         finally:
-            if not mine.done():
-                mine.set_result(None)
-            if self._tails.get(user) is mine:
-                del self._tails[user]
+            self._tail_done(user, mine, ok)
 
-    async def _publish(self, subject: str, kind: str, body: Any, transport: str, reply: str | None) -> bool:
+    async def _after_previous(self, user: str, mine: _Tail, queue: tuple[int, str] | None = None) -> None:
+        """Make ``mine`` the user's latest message and wait until his previous one was published, unless it is
+        already in the same partition queue (which keeps their order)."""
+        previous = self._tails.get(user)
+        self._tails[user] = mine
+        if previous is None or previous.done.done() or (queue is not None and previous.queue == queue):
+            return
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(previous.done)
+
+    def _tail_done(self, user: str, tail: _Tail, ok: bool) -> None:
+        if not tail.done.done():
+            tail.done.set_result(ok)
+        if self._tails.get(user) is tail:
+            del self._tails[user]
+
+    async def _publish(
+        self,
+        subject: str,
+        kind: str,
+        payload: bytes,
+        transport: str,
+        reply: str | None,
+        *,
+        kinds: list[str] | None = None,
+    ) -> bool:
+        """One intake message, retried with one message id; a final failure counts each of ``kinds`` (the
+        app messages it carried; default: ``kind``) as failed."""
         from nats.errors import Error as NatsError
 
-        payload = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Nats-Msg-Id": f"{self.name}/{next(self._counter)}", "Kcloak-Transport": transport}
         if reply is not None:
             headers["Kcloak-Reply"] = reply
@@ -300,11 +365,103 @@ class ClusterPipeline:
                 return True
             pause = min(0.25 * attempt, 1.0)
             if time.monotonic() + pause >= deadline:
-                self.gw.publish_failed.labels(kind=kind).inc()
+                for failed in kinds or [kind]:
+                    self.gw.publish_failed.labels(kind=failed).inc()
                 log_event(log, "gateway_publish_failed", logging.WARNING, kind=kind, attempts=attempt, error=error)
                 return False
             self.gw.publish_retries.labels(kind=kind).inc()
             await asyncio.sleep(pause)
+
+    # -- fix batches per partition -------------------------------------------------------------------
+    async def _enqueue_fixes(
+        self, user: str, kind: str, body: Any, fixes: int, transport: str, *, want_codes: bool
+    ) -> _Queued:
+        """Queue one fix message of ``user`` on his partition's queue (after his previous message of another
+        kind or queue was published); :meth:`_drain` publishes the queue in batches."""
+        token = subject_token(user)
+        key = (partition_of(token, self.layout.partitions), transport)
+        loop = asyncio.get_running_loop()
+        mine = _Tail(loop.create_future())
+        await self._after_previous(user, mine, key)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        entry = _Queued(user, token, kind, data, fixes, mine, loop.create_future() if want_codes else None)
+        mine.queue = key
+        self._queues.setdefault(key, deque()).append(entry)
+        if key not in self._draining:
+            self._draining.add(key)
+            self._track(self._drain(key))
+        return entry
+
+    async def _drain(self, key: tuple[int, str]) -> None:
+        """Publish partition ``key``'s queue, one intake message at a time, as many fixes per message as have
+        queued up meanwhile."""
+        queue = self._queues[key]
+        try:
+            while queue:
+                batch = [queue.popleft()]
+                fixes, size = batch[0].fixes, len(batch[0].data)
+                while (
+                    queue and fixes + queue[0].fixes <= BATCH_MAX_FIXES and size + len(queue[0].data) < BATCH_MAX_BYTES
+                ):
+                    entry = queue.popleft()
+                    batch.append(entry)
+                    fixes, size = fixes + entry.fixes, size + len(entry.data) + len(entry.token) + 40
+                await self._send_batch(key, batch)
+        finally:
+            self._draining.discard(key)
+            if queue:  # cancelled at shutdown: what is left was never published (no PUBACK, refused)
+                for entry in queue:
+                    self._settle_entry(entry, False, key[1])
+                queue.clear()
+
+    async def _send_batch(self, key: tuple[int, str], batch: list[_Queued]) -> None:
+        partition, transport = key
+        if len(batch) == 1:
+            kind, subject, payload = batch[0].kind, in_subject(partition, batch[0].kind, batch[0].token), batch[0].data
+        else:
+            kind, subject = "batch", in_subject(partition, "batch", batch[0].token)
+            payload = (
+                b'{"batch":['
+                + b",".join(
+                    b'{"user":%s,"kind":"%s","body":%s}' % (json.dumps(e.token).encode(), e.kind.encode(), e.data)
+                    for e in batch
+                )
+                + b"]}"
+            )
+        reply, fut = self._reply_future() if transport == "http" else (None, None)
+        ok = False
+        try:
+            ok = await self._publish(subject, kind, payload, transport, reply, kinds=[e.kind for e in batch])
+        finally:
+            if not ok and reply is not None:
+                self._replies.pop(reply, None)
+            for entry in batch:
+                self._tail_done(entry.user, entry.tail, ok)
+                if not ok:
+                    self._settle_entry(entry, ok, transport)
+        if ok and reply is not None and fut is not None:
+            self._track(self._split_outcome(reply, fut, kind, batch))
+
+    def _settle_entry(self, entry: _Queued, ok: bool, transport: str) -> None:
+        self._tail_done(entry.user, entry.tail, ok)
+        if not ok:
+            self._count_refused(transport, entry.kind, ReasonCode.OVERLOADED, entry.fixes)
+            if entry.codes is not None and not entry.codes.done():
+                entry.codes.set_result([ReasonCode.OVERLOADED] * entry.fixes)
+
+    async def _split_outcome(self, reply: str, fut: asyncio.Future[bytes], kind: str, batch: list[_Queued]) -> None:
+        """The router's per-fix outcome of one intake message, handed to each fix message it carried."""
+        outcome = await self._await_reply(reply, fut, kind)
+        codes = outcome.get("codes") if outcome is not None else None
+        if not isinstance(codes, list) or len(codes) != sum(e.fixes for e in batch):
+            # In the stream (it will be decided), but its outcome is unknown here: 503, and a repeat of
+            # the same fix is harmless (refused out_of_order once the first is applied).
+            codes = [ReasonCode.OVERLOADED.value] * sum(e.fixes for e in batch)
+        at = 0
+        for entry in batch:
+            if entry.codes is not None and not entry.codes.done():
+                entry.codes.set_result([_reason(code) for code in codes[at : at + entry.fixes]])
+            at += entry.fixes
 
     def _reply_future(self) -> tuple[str, asyncio.Future[bytes]]:
         subject = f"{self._reply_prefix}.{next(self._counter)}"
@@ -359,11 +516,13 @@ class ClusterPipeline:
     async def _mqtt_fixes(self, items: list[tuple[str, Any]], batch: bool) -> FixResult:
         if self._closing:
             raise asyncio.CancelledError  # not stored: no PUBACK, the app sends it again to the next gateway
-        messages = self._messages(items, batch)
-        sent = await asyncio.gather(*(self.publish(u, k, b, transport="mqtt") for u, k, b, _ in messages))
-        for (_, kind, _, where), ok in zip(messages, sent, strict=True):
-            if not ok:
-                self._count_refused("mqtt", kind, ReasonCode.OVERLOADED, len(where))
+        entries = await asyncio.gather(
+            *(
+                self._enqueue_fixes(u, k, b, len(w), "mqtt", want_codes=False)
+                for u, k, b, w in self._messages(items, batch)
+            )
+        )
+        sent = await asyncio.gather(*(entry.tail.done for entry in entries))
         if not all(sent):
             raise asyncio.CancelledError  # never acknowledged without a PubAck
         return FixResult([None] * len(items))
@@ -380,24 +539,9 @@ class ClusterPipeline:
         return FixResult(codes)
 
     async def _http_message(self, user: str, kind: str, body: Any, where: list[int]) -> list[ReasonCode | None]:
-        reply, fut = self._reply_future()
-        if not await self.publish(user, kind, body, transport="http", reply=reply):
-            self._replies.pop(reply, None)
-            self._count_refused("http", kind, ReasonCode.OVERLOADED, len(where))
-            return [ReasonCode.OVERLOADED] * len(where)
-        outcome = await self._await_reply(reply, fut, kind)
-        codes = outcome.get("codes") if outcome is not None else None
-        if not isinstance(codes, list) or len(codes) != len(where):
-            # In the stream (it will be decided), but its outcome is unknown here: 503, and a repeat of
-            # the same fix is harmless (refused out_of_order once the first is applied).
-            return [ReasonCode.OVERLOADED] * len(where)
-        out: list[ReasonCode | None] = []
-        for code in codes:
-            try:
-                out.append(None if code is None else ReasonCode(code))
-            except ValueError:
-                out.append(ReasonCode.INTERNAL)
-        return out
+        entry = await self._enqueue_fixes(user, kind, body, len(where), "http", want_codes=True)
+        assert entry.codes is not None
+        return await entry.codes
 
     # -- profiles ------------------------------------------------------------------------------
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:

@@ -1,9 +1,10 @@
 """The cluster's movement history and window publication on a timer (docs/cluster.md "Window publication").
 
-Every router publishes each **accepted** fix to stream ``KCLOAK_MOVES`` (subject ``kcloak.moves.<p>``, body
-``{"u": <user token>, "t", "lat", "lon"}``, message id ``in/<intake seq>/<item>``) in the same PubAck batch
-as the fix's cell event, so the intake message is acknowledged only once the move is stored too. A rejected
-fix is never published there.
+Every router publishes the **accepted** fixes of a micro-batch to stream ``KCLOAK_MOVES`` as one message
+(subject ``kcloak.moves.<p>``, body ``{"m": [[<user token>, t, lat, lon], …]}``, message id
+``mv/<p>/<digest of the body>``, so a retry is stored once) in the same PubAck batch as the fixes' cell
+events, so an intake message is acknowledged only once its moves are stored too. A rejected fix is never
+published there. (Readers also take the earlier one-move body ``{"u", "t", "lat", "lon"}``.)
 
 A window ``[t_start, t_end)`` holds the moves whose **fix time** ``t`` is in it (the single process's
 ``fixes_between``, so the same fixes make the same window). The stream's own timestamps only bound the read:
@@ -53,9 +54,18 @@ CLOCK_MARGIN_S = 60.0
 """Read a window's moves from this long before ``t_start − max_clock_skew_s`` (hosts' clocks differ)."""
 
 
-def move_body(token: str, t: float, lat: float, lon: float) -> bytes:
-    """The ``KCLOAK_MOVES`` message of one accepted fix."""
-    return json.dumps({"u": token, "t": t, "lat": lat, "lon": lon}, separators=(",", ":")).encode()
+def moves_body(moves: list[tuple[str, float, float, float]]) -> bytes:
+    """The ``KCLOAK_MOVES`` message of accepted fixes ``(user token, t, lat, lon)``."""
+    return json.dumps({"m": moves}, separators=(",", ":")).encode()
+
+
+def moves_of(data: bytes) -> list[tuple[str, float, float, float]]:
+    """The moves ``(user token, t, lat, lon)`` of one ``KCLOAK_MOVES`` message (either body); raises
+    ValueError, KeyError or TypeError on a malformed one."""
+    body = json.loads(data)
+    if "m" in body:
+        return [(str(u), float(t), float(lat), float(lon)) for u, t, lat, lon in body["m"]]
+    return [(str(body["u"]), float(body["t"]), float(body["lat"]), float(body["lon"]))]
 
 
 async def read_window_moves(nc: Any, window: Window, *, read_from: float, timeout_s: float = 60.0) -> FixTable:
@@ -66,10 +76,9 @@ async def read_window_moves(nc: Any, window: Window, *, read_from: float, timeou
         nc, MOVES_STREAM, moves_filter(), start_time=read_from, timeout_s=timeout_s, what="reading the window's moves"
     ):
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            body = json.loads(m.data)
-            t = float(body["t"])
-            if window.t_start <= t < window.t_end:
-                seen[(str(body["u"]), t)] = (float(body["lat"]), float(body["lon"]))
+            for user, t, lat, lon in moves_of(m.data):
+                if window.t_start <= t < window.t_end:
+                    seen[(user, t)] = (lat, lon)
     keys = sorted(seen)
     return FixTable(
         np.array([k[0] for k in keys], dtype=str),
@@ -89,7 +98,7 @@ async def first_move_t(nc: Any) -> float | None:
         if not info.state.messages:
             return None
         msg = await js.get_msg(MOVES_STREAM, seq=int(info.state.first_seq), subject=moves_filter(), next=True)
-        return float(json.loads(msg.data or b"{}")["t"])
+        return min(t for _, t, _, _ in moves_of(msg.data or b"{}"))
     except (NotFoundError, ValueError, KeyError, TypeError):
         return None
 
@@ -238,8 +247,9 @@ __all__ = [
     "WindowTimer",
     "anonymize_window",
     "first_move_t",
-    "move_body",
+    "moves_body",
     "moves_max_age_s",
+    "moves_of",
     "read_window_moves",
     "timer_params",
 ]

@@ -11,21 +11,23 @@ is the subject's latest message) and only then publishes the fix on ``kcloak.cel
 the user is never in two live indexes, and counted nowhere in between (safe).
 
 Every accepted fix is also stored in ``KCLOAK_MOVES`` (``kcloak.moves.<p>``, the movement history windows
-are published from, :mod:`kcloak.broker.cluster.moves`), in the same PubAck batch as its cell event; a
-rejected fix never is.
+are published from, :mod:`kcloak.broker.cluster.moves`; one message per flush of a micro-batch's events), in
+the same PubAck batch as its cell event; a rejected fix never is.
 
-Events (JSON on ``KCLOAK_CELLS``): ``{"e": "fix", "t", "lat", "lon", "in", "k"?}`` and
-``{"e": "leave", "t", "in"}``, where ``in`` is the intake stream sequence of the user's latest applied
-fix and ``k`` his stored profile. On pin acquisition the router rebuilds from the last event of every
-subject of ``kcloak.cell.*.<p>.>``; an intake message at or below a user's ``in`` was applied already
-(redelivered after a failover), so it is acknowledged as accepted without a second event, and never
-refused ``out_of_order``.
+Events (JSON on ``KCLOAK_CELLS``): ``{"e": "fix", "t", "lat", "lon", "in", "i"?, "k"?}`` and
+``{"e": "leave", "t", "in", "i"?}``, where ``in`` is the intake stream sequence of the user's latest applied
+fix, ``i`` its position among the fixes of that intake message (absent: 0; an intake ``batch`` carries
+several users' fixes) and ``k`` his stored profile. On pin acquisition the router rebuilds from the last
+event of every subject of ``kcloak.cell.*.<p>.>``; a fix at or below a user's ``(in, i)`` was applied
+already (redelivered after a failover), so it is acknowledged as accepted without a second event, and
+never refused ``out_of_order``; the other fixes of the same redelivered message are applied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kcloak.broker.cluster.moves import move_body
+from kcloak.broker.cluster.moves import moves_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
@@ -77,6 +79,8 @@ TRANSPORT_HEADER = "Kcloak-Transport"
 REPLY_HEADER = "Kcloak-Reply"
 MSG_ID = "Nats-Msg-Id"
 LEAVE_WAIT_POLL_S = 0.05
+FIX_KINDS = ("update", "updates", "batch")
+"""Intake kinds that carry fixes: one fix, one message's batch, and a gateway's ``batch`` of messages."""
 OWNER_REPLY_WAIT_S = 0.05
 
 
@@ -91,11 +95,45 @@ class UserState:
     cell: int | None = None
     fix_seq: int = 0
     in_seq: int = 0
+    in_item: int = 0
+
+    @property
+    def intake(self) -> tuple[int, int]:
+        """Where the latest applied fix came from: (intake sequence, position in that message)."""
+        return (self.in_seq, self.in_item)
+
+    def event_base(self) -> dict[str, Any]:
+        """The fields every event of this user carries: time and intake position."""
+        body: dict[str, Any] = {"t": self.t, "in": self.in_seq}
+        if self.in_item:
+            body["i"] = self.in_item
+        return body
 
 
 def _finite_position(lat: Any, lon: Any) -> bool:
     ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (lat, lon))
     return ok and -90.0 <= lat <= 90.0 and -180.0 <= lon <= 180.0
+
+
+def _message_fixes(part: Any) -> list[tuple[str, Any] | ReasonCode]:
+    """The fixes of one app message ``{"user": token, "kind": "update" | "updates", "body": {...}}``: an
+    ``updates`` item naming another ``user`` is that user's (the router refuses it if he is not its own)."""
+    if not isinstance(part, dict) or not isinstance(part.get("user"), str) or not isinstance(part.get("body"), dict):
+        return [ReasonCode.INVALID]
+    token, body = part["user"], part["body"]
+    if part.get("kind") == "update":
+        return [(token, body)]
+    updates = body.get("updates")
+    if part.get("kind") != "updates" or not isinstance(updates, list):
+        return [ReasonCode.INVALID]
+    items: list[tuple[str, Any] | ReasonCode] = []
+    for item in updates:
+        user = item.get("user") if isinstance(item, dict) else None
+        if isinstance(user, str) and valid_user_id(user):
+            items.append((subject_token(user), {k: v for k, v in item.items() if k != "user"}))
+        else:
+            items.append((token, item))
+    return items
 
 
 def cluster_refusal(config: Config) -> str | None:
@@ -137,8 +175,10 @@ class Router:
         self._cell_cache: dict[tuple[float, float], int] = {}
         self._owner_seen: dict[int, float] = {}
         self._profiles: dict[str, PrivacyProfile | None] = {}
+        self._profiles_complete = False
         self._kv: Any = None
         self._acks = PubAcks(nc)
+        self._moves: list[tuple[str, float, float, float]] = []
         limits = config.limits
         self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
         self._query_buckets = TokenBuckets(limits.query_rate, limits.query_burst)
@@ -162,9 +202,11 @@ class Router:
     async def rebuild(self) -> None:
         """Each user's state from the last event of every subject of this partition (on pin acquisition)."""
         self.users = {}
-        self._profiles = {}
+        self._profiles, self._profiles_complete = {}, False
         self._update_buckets = TokenBuckets(self.config.limits.update_rate, self.config.limits.update_burst)
         self.counters["rebuilds"] += 1
+        self._profiles = await self._read_profiles()
+        self._profiles_complete = True
         events = await read_last_per_subject(self.nc, CELLS_STREAM, partition_cells_filter(self.partition))
         for ev in events:
             try:
@@ -176,15 +218,32 @@ class Router:
             st.t = max(st.t, float(body["t"]))
             if body.get("e") == "fix" and ev.seq > st.fix_seq:
                 st.cell, st.lat, st.lon, st.fix_seq = int(cell_s), float(body["lat"]), float(body["lon"]), ev.seq
-            st.in_seq = max(st.in_seq, int(body.get("in", 0)))
+            st.in_seq, st.in_item = max(st.intake, (int(body.get("in", 0)), int(body.get("i", 0))))
         for st in self.users.values():
             if st.cell is None:
                 st.fix_seq = 0
         log_event(log, "router_rebuilt", logging.INFO, partition=self.partition, users=len(self.users))
 
+    async def _read_profiles(self) -> dict[str, PrivacyProfile | None]:
+        """The stored profile of every user of this partition, in one read of the bucket (the last value of each
+        key). This router writes its users' profiles itself while pinned, so the map stays complete: a user
+        without an entry has the default profile, with no KV read per new user."""
+        prefix = f"$KV.{PROFILES_BUCKET}."
+        out: dict[str, PrivacyProfile | None] = {}
+        for ev in await read_last_per_subject(self.nc, f"KV_{PROFILES_BUCKET}", prefix + ">"):
+            token = ev.subject[len(prefix) :]
+            if not self.owns(token):
+                continue
+            try:
+                out[token] = PrivacyProfile.from_mapping(json.loads(ev.data), self.default_profile) if ev.data else None
+            except (ValueError, ProfileError):
+                out[token] = None
+        return out
+
     async def drop(self) -> None:
         self.users = {}
         self._profiles = {}
+        self._profiles_complete = False
 
     # -- messages ------------------------------------------------------------------------------
     async def handle(self, batch: list[Delivered]) -> None:
@@ -193,7 +252,7 @@ class Router:
         effects are stored, and a profile or query waits for the fixes before it."""
         pending: list[Any] = []
         decided: list[tuple[Delivered, dict[str, Any] | None]] = []
-        self._cells_of(batch)
+        parsed = self._parse_fixes(batch)
         for msg in batch:
             try:
                 _, kind, token = split_subject(msg.subject, "kcloak.in", 3)
@@ -202,8 +261,8 @@ class Router:
                 continue
             transport = msg.headers.get(TRANSPORT_HEADER, "mqtt")
             transport = transport if transport in ("mqtt", "http") else "mqtt"
-            if kind in ("update", "updates"):
-                codes = await self._fixes(msg, kind, token, transport, pending)
+            if kind in FIX_KINDS:
+                codes = await self._fixes(msg, parsed.get(msg.seq, []), transport, pending)
                 decided.append((msg, {"kind": "fixes", "codes": [c.value if c else None for c in codes]}))
                 continue
             await self._settle(pending, decided)
@@ -216,23 +275,38 @@ class Router:
         if self._acks.retries:
             self.counters["puback_retries"] = self._acks.retries
 
-    def _cells_of(self, batch: list[Delivered]) -> None:
-        """The cell of every well-formed position in the batch's fix messages, in one vectorized call (the
-        Hilbert value of one position alone costs about as much as that of a thousand)."""
+    def _parse_fixes(self, batch: list[Delivered]) -> dict[int, list[tuple[str, Any] | ReasonCode]]:
+        """Per fix message of the batch (by stream sequence), its fixes as ``(user token, fix object)``, or a
+        reason code where a message (or a message of a ``batch``) is unreadable: one outcome each, in order.
+        Also the cell of every well-formed position, in one vectorized call (the Hilbert value of one position
+        alone costs about as much as that of a thousand)."""
+        out: dict[int, list[tuple[str, Any] | ReasonCode]] = {}
         lats: list[float] = []
         lons: list[float] = []
         for msg in batch:
-            if ".update." not in msg.subject and ".updates." not in msg.subject:
-                continue
             try:
-                obj = json.loads(msg.data)
+                _, kind, token = split_subject(msg.subject, "kcloak.in", 3)
             except ValueError:
                 continue
-            items = obj.get("updates") if isinstance(obj, dict) and "updates" in obj else [obj]
-            for item in items if isinstance(items, list) else []:
-                if isinstance(item, dict):
-                    lat: Any = item.get("lat")
-                    lon: Any = item.get("lon")
+            if kind not in FIX_KINDS:
+                continue
+            try:
+                obj = parse_json_object(msg.data)
+            except InvalidInput:
+                out[msg.seq] = [ReasonCode.INVALID]
+                continue
+            if kind == "batch":
+                parts = obj.get("batch")
+                messages = parts if isinstance(parts, list) else [None]
+            else:
+                messages = [{"user": token, "kind": kind, "body": obj}]
+            items = out[msg.seq] = []
+            for part in messages:
+                items += _message_fixes(part)
+            for item in items:
+                if not isinstance(item, ReasonCode) and isinstance(item[1], dict):
+                    lat: Any = item[1].get("lat")
+                    lon: Any = item[1].get("lon")
                     if _finite_position(lat, lon):
                         lats.append(float(lat))
                         lons.append(float(lon))
@@ -240,6 +314,7 @@ class Router:
         if lats:
             cells = self.cells.cell_of(np.array(lats), np.array(lons))
             self._cell_cache = dict(zip(zip(lats, lons, strict=True), cells.tolist(), strict=True))
+        return out
 
     def _cell(self, lat: float, lon: float) -> int:
         cell = self._cell_cache.get((lat, lon))
@@ -258,6 +333,14 @@ class Router:
 
     async def _flush(self, pending: list[Any]) -> None:
         """Await the PubAcks of the fix events sent so far (all together), then record their stream sequences."""
+        if self._moves:
+            data, self._moves = moves_body(self._moves), []
+            subject, msg_id = (
+                moves_subject(self.partition),
+                f"mv/{self.partition}/{hashlib.blake2b(data, digest_size=12).hexdigest()}",
+            )
+            fut = await self._acks.send(subject, data, stream=MOVES_STREAM, msg_id=msg_id)
+            pending.append((fut, subject, data, MOVES_STREAM, msg_id, None, None))
         if pending:
             sent, pending[:] = pending[:], []
             seqs = await self._acks.settle([item[:5] for item in sent], keep_trying=lambda: self.member.pinned)
@@ -272,32 +355,16 @@ class Router:
 
     # -- fixes ---------------------------------------------------------------------------------
     async def _fixes(
-        self, msg: Delivered, kind: str, token: str, transport: str, pending: list[Any], *, source: str = "update"
+        self, msg: Delivered, items: list[tuple[str, Any] | ReasonCode], transport: str, pending: list[Any]
     ) -> list[ReasonCode | None]:
-        try:
-            obj = parse_json_object(msg.data)
-        except InvalidInput:
-            self._rejected(transport, ReasonCode.INVALID)
-            return [ReasonCode.INVALID]
-        items: list[tuple[str, Any]]
-        if kind == "update":
-            items = [(token, obj)]
-        else:
-            updates = obj.get("updates")
-            if not isinstance(updates, list):
-                self._rejected(transport, ReasonCode.INVALID)
-                return [ReasonCode.INVALID]
-            items = []
-            for item in updates:
-                user = item.get("user") if isinstance(item, dict) else None
-                if isinstance(user, str) and valid_user_id(user):
-                    items.append((subject_token(user), {k: v for k, v in item.items() if k != "user"}))
-                else:
-                    items.append((token, item))
-        return [
-            await self._fix(token_i, raw, msg.seq, i, transport, pending, source)
-            for i, (token_i, raw) in enumerate(items)
-        ]
+        codes: list[ReasonCode | None] = []
+        for i, item in enumerate(items):
+            if isinstance(item, ReasonCode):
+                self._rejected(transport, item)
+                codes.append(item)
+            else:
+                codes.append(await self._fix(item[0], item[1], msg.seq, i, transport, pending, "update"))
+        return codes
 
     async def _fix(
         self, token: str, raw: Any, in_seq: int, item: int, transport: str, pending: list[Any], source: str
@@ -306,7 +373,7 @@ class Router:
             self._rejected(transport, ReasonCode.INVALID)  # a batch item of another partition's user
             return ReasonCode.INVALID
         st = self.users.get(token)
-        if st is not None and in_seq <= st.in_seq:
+        if st is not None and (in_seq, item) <= st.intake:
             self.counters["redelivered"] += 1
             return None  # applied before a failover: accepted then, accepted now
         code = self._check(token, raw, st)
@@ -321,24 +388,28 @@ class Router:
             await self._flush(pending)
             await self._leave(token, st)
             self.counters["moves"] += 1
-        body: dict[str, Any] = {"e": "fix", "t": fix.t, "lat": fix.lat, "lon": fix.lon, "in": in_seq}
         profile = await self._stored_profile(token)
-        if profile is not None:
-            body["k"] = profile.to_dict()
-        st.t, st.lat, st.lon, st.cell, st.in_seq = fix.t, fix.lat, fix.lon, cell, in_seq
+        st.t, st.lat, st.lon, st.cell, st.in_seq, st.in_item = fix.t, fix.lat, fix.lon, cell, in_seq, item
+        body = self._fix_event(st, profile)
         subject = cell_subject(cell, self.partition, token)
         data = json.dumps(body, separators=(",", ":")).encode()
         msg_id = f"in/{in_seq}/{item}"
         fut = await self._acks.send(subject, data, stream=CELLS_STREAM, msg_id=msg_id)
         pending.append((fut, subject, data, CELLS_STREAM, msg_id, st, cell))
-        # The movement history (window publication): settled with the cell event, before the intake ack.
-        move = move_body(token, fix.t, fix.lat, fix.lon)
-        move_subject = moves_subject(self.partition)
-        fut = await self._acks.send(move_subject, move, stream=MOVES_STREAM, msg_id=msg_id)
-        pending.append((fut, move_subject, move, MOVES_STREAM, msg_id, None, None))
+        # The movement history (window publication): one message per flush, settled with the cell events,
+        # before the intake ack.
+        self._moves.append((token, fix.t, fix.lat, fix.lon))
         self.counters["fixes"] += 1
         self.metrics.updates_accepted.labels(transport=transport, source=source).inc()
         return None
+
+    @staticmethod
+    def _fix_event(st: UserState, profile: PrivacyProfile | None) -> dict[str, Any]:
+        """The user's current fix as a cell event (with his stored profile, if any)."""
+        body: dict[str, Any] = {"e": "fix", **st.event_base(), "lat": st.lat, "lon": st.lon}
+        if profile is not None:
+            body["k"] = profile.to_dict()
+        return body
 
     async def _publish_fix(self, token: str, st: UserState, cell: int, body: dict[str, Any], msg_id: str) -> None:
         ack = await self._publish(
@@ -382,12 +453,12 @@ class Router:
         """Leave the old cell and wait until its owner has applied the leave (module docstring)."""
         old = st.cell
         assert old is not None
-        body = {"e": "leave", "t": st.t, "in": st.in_seq}
+        body = {"e": "leave", **st.event_base()}
         ack = await self._publish(
             cell_subject(old, self.partition, token),
             json.dumps(body, separators=(",", ":")).encode(),
             CELLS_STREAM,
-            f"leave/{st.in_seq}/{old}",
+            f"leave/{st.in_seq}/{st.in_item}/{old}",
         )
         st.cell = None
         await self.wait_applied(old, ack)
@@ -440,6 +511,8 @@ class Router:
     async def _stored_profile(self, token: str) -> PrivacyProfile | None:
         if token in self._profiles:
             return self._profiles[token]
+        if self._profiles_complete:
+            return None
         profile: PrivacyProfile | None = None
         try:
             entry = await (await self._kv_bucket()).get(token)
@@ -493,10 +566,7 @@ class Router:
         st = self.users.get(token)
         if st is None or st.cell is None:
             return
-        body: dict[str, Any] = {"e": "fix", "t": st.t, "lat": st.lat, "lon": st.lon, "in": st.in_seq}
-        profile = self._profiles.get(token)
-        if profile is not None:
-            body["k"] = profile.to_dict()
+        body = self._fix_event(st, self._profiles.get(token))
         await self._publish_fix(token, st, st.cell, body, f"profile/{time.time_ns()}")
 
     # -- queries -------------------------------------------------------------------------------
@@ -595,10 +665,7 @@ class Router:
         """The querier's fix event again: a pin is learnt from a delivery, so a cell whose owner died while no
         event came gets one (its successor then rebuilds and pulls the cell's queries)."""
         assert st.cell is not None
-        body: dict[str, Any] = {"e": "fix", "t": st.t, "lat": st.lat, "lon": st.lon, "in": st.in_seq}
-        profile = self._profiles.get(token)
-        if profile is not None:
-            body["k"] = profile.to_dict()
+        body = self._fix_event(st, self._profiles.get(token))
         self.counters["touches"] = self.counters.get("touches", 0) + 1
         await self._publish_fix(token, st, st.cell, body, f"touch/{time.time_ns()}")
 

@@ -50,11 +50,18 @@ async def intake_leader(cluster: NatsCluster) -> str:
         await nc.close()
 
 
-def stored_fixes(cluster: NatsCluster) -> list[tuple[str, dict[str, str], float]]:
+def stored_fixes(cluster: NatsCluster) -> list[tuple[str, str, dict[str, str], float]]:
+    """``(subject, user token, headers, t)`` of every fix in ``KCLOAK_IN``, in stream order; a gateway's
+    ``batch`` message (docs/cluster.md "Envelope") holds several app messages, each with its user."""
     out = []
     for subject, headers, body in asyncio.run(intake_messages(cluster)):
-        if ".update." in subject:
-            out.append((subject, headers, float(json.loads(body)["t"])))
+        kind, token = subject.split(".")[3:5]
+        if kind == "update":
+            out.append((subject, token, headers, float(json.loads(body)["t"])))
+        elif kind == "batch":
+            for part in json.loads(body)["batch"]:
+                assert part["kind"] == "update"
+                out.append((subject, part["user"], headers, float(part["body"]["t"])))
     return out
 
 
@@ -70,15 +77,17 @@ def test_fixes_pubacked_by_the_gateway_survive_sigkill_of_the_intake_leader(
     mqtt_publish(door(gateway, tmp_path), sent, client_id="app-1", timeout_s=60)  # every PUBACK is back
     nats_cluster.kill9(leader)
     stored = stored_fixes(nats_cluster)
-    assert sorted(t for _, _, t in stored) == sorted(json.loads(p)["t"] for _, p in sent)
-    for subject, headers, _ in stored:
-        token = subject.rsplit(".", 1)[1]
-        assert subject == f"kcloak.in.{partition_of(token, PARTITIONS)}.update.{token}"
+    assert sorted(t for *_, t in stored) == sorted(json.loads(p)["t"] for _, p in sent)
+    for subject, token, headers, _ in stored:
+        partition, kind = subject.split(".")[2:4]
+        assert int(partition) == partition_of(token, PARTITIONS)  # every fix in its user's partition
+        assert kind == "batch" or subject == f"kcloak.in.{partition}.update.{token}"
         assert headers["Kcloak-Transport"] == "mqtt"
         assert headers["Nats-Msg-Id"].startswith(f"gw{gateway.http_port}/")
-    assert len({h["Nats-Msg-Id"] for _, h, _ in stored}) == len(stored)
+    ids = [h["Nats-Msg-Id"] for _, h, _ in asyncio.run(intake_messages(nats_cluster))]
+    assert len(set(ids)) == len(ids)  # each intake message stored once
     for user in USERS:  # each user's fixes in the order the app sent them
-        mine = [t for s, _, t in stored if s.endswith("." + subject_token(user))]
+        mine = [t for _, token, _, t in stored if token == subject_token(user)]
         assert mine == sorted(mine) and len(mine) == 20
 
 
@@ -95,4 +104,4 @@ def test_a_publish_during_a_leader_failover_is_retried_and_stored_once(
     assert metric(text, "kcloak_gateway_publish_retries_total") > 0, f"no retry (PUBACKs after {took:.1f} s)"
     assert metric(text, "kcloak_gateway_publish_failed_total") == 0
     stored = stored_fixes(nats_cluster)
-    assert sorted(t for _, _, t in stored) == sorted(json.loads(p)["t"] for _, p in sent)  # each once
+    assert sorted(t for *_, t in stored) == sorted(json.loads(p)["t"] for _, p in sent)  # each once

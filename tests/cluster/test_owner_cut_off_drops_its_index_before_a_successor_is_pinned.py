@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kcloak.broker.cluster.topology import Layout
 from kcloak.broker.cluster.worker import Worker
-from kcloak.broker.config import Config
-from kcloak.broker.metrics import Metrics
-from kcloak.cloaking.cells import CellMap
-from tests.cluster.worker_fixtures import App, population
+from tests.cluster.worker_fixtures import App, one_cell_worker, population
 
 pytestmark = pytest.mark.cluster
 nats = pytest.importorskip("nats")
@@ -33,21 +28,7 @@ TIMEOUT = 2.0
 
 
 def worker(urls: list[str], tmp: Path, name: str, spread: float) -> Worker:
-    config = Config()
-    config = dataclasses.replace(
-        config,
-        upstream=dataclasses.replace(config.upstream, url="http://127.0.0.1:9"),
-        storage=dataclasses.replace(config.storage, data_dir=str(tmp)),
-    )
-    return Worker(
-        servers=urls,
-        layout=Layout(partitions=2, cells=1, replicas=3, pinned_timeout_s=TIMEOUT),
-        cells=CellMap([]),
-        config=config,
-        metrics=Metrics(version="t", algorithm="hilbert"),
-        name=name,
-        spread_s=spread,
-    )
+    return one_cell_worker(urls, tmp, name=name, spread=spread, pinned_timeout_s=TIMEOUT)
 
 
 async def abandon(w: Worker) -> None:

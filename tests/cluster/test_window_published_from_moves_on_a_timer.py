@@ -57,15 +57,17 @@ async def send_fix(app: App, user: str, t: float, lat: float, lon: float) -> str
 
 
 async def stored_moves(nc: Any) -> list[dict[str, Any]]:
-    """Every message of KCLOAK_MOVES, read with nats-py's plain stream API."""
+    """Every move of KCLOAK_MOVES, read with nats-py's plain stream API: a message holds a router's flush,
+    ``{"m": [[user token, t, lat, lon], …]}`` (docs/cluster.md "Window publication")."""
     js = nc.jetstream()
     info = await js.stream_info("KCLOAK_MOVES")
     out = []
     for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1):
         try:
-            out.append(json.loads((await js.get_msg("KCLOAK_MOVES", seq)).data))
+            body = json.loads((await js.get_msg("KCLOAK_MOVES", seq)).data)
         except nats.js.errors.NotFoundError:
             continue
+        out += [{"u": u, "t": t, "lat": lat, "lon": lon} for u, t, lat, lon in body["m"]]
     return out
 
 

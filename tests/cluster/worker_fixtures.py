@@ -18,11 +18,43 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:
+    from kcloak.broker.cluster.worker import Worker
+
 LAT0, LON0 = 39.90, 116.40  # Beijing: the bundled POIs of `kcloak lbs`
+
+
+def one_cell_worker(
+    urls: list[str], tmp: Path, *, name: str = "w", spread: float = 0.0, pinned_timeout_s: float = 2.0
+) -> Worker:
+    """An in-process :class:`Worker` of a 2-partition, 1-cell layout (R3), with an unreachable upstream."""
+    import dataclasses
+
+    from kcloak.broker.cluster.topology import Layout
+    from kcloak.broker.cluster.worker import Worker
+    from kcloak.broker.config import Config
+    from kcloak.broker.metrics import Metrics
+    from kcloak.cloaking.cells import CellMap
+
+    config = Config()
+    config = dataclasses.replace(
+        config,
+        upstream=dataclasses.replace(config.upstream, url="http://127.0.0.1:9"),
+        storage=dataclasses.replace(config.storage, data_dir=str(tmp)),
+    )
+    return Worker(
+        servers=urls,
+        layout=Layout(partitions=2, cells=1, replicas=3, pinned_timeout_s=pinned_timeout_s),
+        cells=CellMap([]),
+        config=config,
+        metrics=Metrics(version="t", algorithm="hilbert"),
+        name=name,
+        spread_s=spread,
+    )
 
 
 def free_port() -> int:
