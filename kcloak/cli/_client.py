@@ -99,7 +99,58 @@ def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
     console = Console()
     console.print(f"[bold]{title}[/bold]")
     for key, value in obj.items():
-        console.print(f"  {key}: {json.dumps(value)}")
+        console.print(f"  {key}: {json.dumps(value)}", soft_wrap=True)
+
+
+SIMULATION_HINTS: dict[str, str] = {
+    "k_unreachable": "fewer users were present than the querier's k: run more --users",
+    "area_exceeded": (
+        "too few users stood near the querier for a region of at most max_area_m2 (4 km2 shipped) to hold k of "
+        "them: put the users closer together (a smaller --area or more --users)"
+    ),
+    "stale_position": "the querier's latest fix was older than 60 s when the query was cloaked: the client fell behind",
+    "rate_limited": "the broker's per-user limits: fewer --query-rate, or raise the broker's limits",
+    "overloaded": "the broker's queues were full: a lower rate, or fewer users",
+    "upstream_error": "the location service did not answer: is kcloak serve's --upstream running?",
+}
+"""What a refusal of simulated traffic means for the run, by reason code (else the interface's advice)."""
+
+
+def refusal_lines(reasons: dict[str, int], answered: int) -> list[str]:
+    """One line per refusal reason, most frequent first: share of the answers, and why / what to change."""
+    from kcloak.wire.reasons import REASONS
+
+    advice = {r.code.value: r.action for r in REASONS}
+    lines = []
+    for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        share = f" ({n / answered:.0%} of answers)" if answered else ""
+        lines.append(f"  {code} {n:,}{share}: {SIMULATION_HINTS.get(code, advice.get(code, 'see docs/interface.md'))}")
+    return lines
+
+
+def say(message: str) -> None:
+    """A line for the person at the terminal, on stderr (stdout stays one JSON object with --json)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def explain(summary: dict[str, Any], as_json: bool) -> None:
+    """After a client command's summary: its success rate and why queries were refused (stderr with --json)."""
+    answers = summary.get("answers")
+    if not isinstance(answers, dict):
+        return
+    ok, refused = int(answers.get("ok") or 0), int(answers.get("refused") or 0)
+    reasons = answers.get("reasons") or {}
+    if ok + refused == 0:
+        return
+    out = [f"answered ok: {ok:,} of {ok + refused:,} answers ({ok / (ok + refused):.1%})"]
+    if reasons:
+        out.append("refused because:")
+        out += refusal_lines(reasons, ok + refused)
+    for line in out:
+        if as_json:
+            say(line)
+        else:
+            print(line)
 
 
 def unreachable(exc: TransportError) -> int:
@@ -120,5 +171,7 @@ def run_and_report(
             summary = run_client(args.broker, args.tokens, lambda: work(update))
         except TransportError as exc:
             return unreachable(exc)
-    emit(summary.to_json(), args.json, f"kcloak {label}")
+    obj = summary.to_json()
+    emit(obj, args.json, f"kcloak {label}")
+    explain(obj, args.json)
     return 0

@@ -57,16 +57,15 @@ from rich.table import Table
 
 from kcloak.broker.config import Config
 from kcloak.cli.demo import (
-    DEMO_MAX_AREA_SIDE_KM,
     DEMO_MAX_UPDATE_AGE_S,
     DEMO_MIN_TRAFFIC_SHARE,
     DEMO_PUBLISH_WINDOW_S,
     DEMO_QUERIES_PER_MIN,
     DEMO_QUERY_KIND,
     DEMO_TAIL_RESERVE_S,
-    DEMO_USERS_PER_KM2,
 )
 from kcloak.core.errors import KcloakError
+from kcloak.simulators.area import populated_area
 from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from kcloak.simulators.streets import StreetGraph, load_street_graph
 from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
@@ -74,9 +73,6 @@ from kcloak.simulators.transport import TransportError
 from kcloak.wire.net import free_port
 
 T = TypeVar("T")
-
-CITY_CENTRE: Final = (39.905, 116.39)
-"""Centre of the demo area (lat, lon): central Beijing, near Tiananmen."""
 
 LIVE_PERIOD_S: Final = 0.5
 PLAIN_PERIOD_S: Final = 10.0
@@ -311,14 +307,10 @@ def _requested_k() -> list[int]:
 def demo_area(users: int) -> tuple[float, float, float, float]:
     """A square around :data:`CITY_CENTRE` holding about :data:`DEMO_USERS_PER_KM2` users per km²,
     at most :data:`DEMO_MAX_AREA_SIDE_KM` wide (about the 3rd Ring Road) and at least 2 km:
-    ``(min_lon, min_lat, max_lon, max_lat)``. A fixed density keeps k = 20 reachable within the
-    default 4 km² ``max_area_m2`` whatever the number of users (CONCEPTS §9: success depends on density).
+    ``(min_lon, min_lat, max_lon, max_lat)``; ``kcloak simulate``'s default area too
+    (:func:`kcloak.simulators.area.populated_area`).
     """
-    side_km = min(DEMO_MAX_AREA_SIDE_KM, max(2.0, math.sqrt(users / DEMO_USERS_PER_KM2)))
-    half_lat = math.degrees(side_km * 500.0 / 6_371_008.8)
-    half_lon = half_lat / math.cos(math.radians(CITY_CENTRE[0]))
-    lat, lon = CITY_CENTRE
-    return (round(lon - half_lon, 6), round(lat - half_lat, 6), round(lon + half_lon, 6), round(lat + half_lat, 6))
+    return populated_area(users)
 
 
 def prepare_streets(bbox: tuple[float, float, float, float]) -> StreetGraph:
