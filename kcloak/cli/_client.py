@@ -63,10 +63,12 @@ def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], Non
         yield update
 
 
-def run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run_client(
+    broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]], *, announce: str | None = None
+) -> T:
     """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
 
-    The probe uses the tokens file's first user over MQTT. Raises
+    ``announce`` goes to stderr once the probe succeeded. The probe uses the tokens file's first user over MQTT. Raises
     :class:`~kcloak.simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
     """
     import asyncio
@@ -82,6 +84,8 @@ def run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[An
 
     async def checked() -> T:
         await probe_broker(broker, credentials=credentials)
+        if announce is not None:
+            say(announce)
         return await work()
 
     try:
@@ -159,7 +163,11 @@ def unreachable(exc: TransportError) -> int:
 
 
 def run_and_report(
-    args: argparse.Namespace, label: str, work: Callable[[Progress | None], Coroutine[Any, Any, Any]]
+    args: argparse.Namespace,
+    label: str,
+    work: Callable[[Progress | None], Coroutine[Any, Any, Any]],
+    *,
+    announce: str | None = None,
 ) -> int:
     """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
     summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
@@ -168,7 +176,7 @@ def run_and_report(
 
     with progress_bar(not args.no_progress, label) as update:
         try:
-            summary = run_client(args.broker, args.tokens, lambda: work(update))
+            summary = run_client(args.broker, args.tokens, lambda: work(update), announce=announce)
         except TransportError as exc:
             return unreachable(exc)
     obj = summary.to_json()

@@ -116,7 +116,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     if args.osm is not None and not args.osm.is_file():
         raise UsageError("--osm: no such file")
-    client.say(f"kcloak simulate: {args.users:,} users ({args.model}) in {where}, for {args.duration:g} s")
 
     class Ticker(NullObserver):
         def __init__(self, update: client.Progress | None) -> None:
@@ -128,4 +127,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             if self.update is not None:
                 self.update(self.sent, self.sent)
 
-    return client.run_and_report(args, "simulate", lambda update: run_simulation(cfg, observer=Ticker(update)))
+    return client.run_and_report(
+        args,
+        "simulate",
+        lambda update: run_simulation(cfg, observer=Ticker(update)),
+        announce=f"kcloak simulate: {args.users:,} users ({args.model}) in {where}, for {args.duration:g} s",
+    )
