@@ -140,10 +140,12 @@ def say(message: str) -> None:
 def explain(summary: dict[str, Any], as_json: bool) -> None:
     """After a client command's summary: its success rate and why queries were refused (stderr with --json)."""
     answers = summary.get("answers")
-    if not isinstance(answers, dict):
-        return
-    ok, refused = int(answers.get("ok") or 0), int(answers.get("refused") or 0)
-    reasons = answers.get("reasons") or {}
+    if isinstance(answers, dict):  # simulate, replay
+        ok, refused, reasons = int(answers.get("ok") or 0), int(answers.get("refused") or 0), answers.get("reasons")
+    else:  # load
+        ok, refused = int(summary.get("answers_ok") or 0), int(summary.get("answers_refused") or 0)
+        reasons = summary.get("reasons")
+    reasons = reasons or {}
     if ok + refused == 0:
         return
     out = [f"answered ok: {ok:,} of {ok + refused:,} answers ({ok / (ok + refused):.1%})"]
@@ -168,6 +170,7 @@ def run_and_report(
     work: Callable[[Progress | None], Coroutine[Any, Any, Any]],
     *,
     announce: str | None = None,
+    after: Callable[[dict[str, Any]], str | None] | None = None,
 ) -> int:
     """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
     summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
@@ -182,4 +185,7 @@ def run_and_report(
     obj = summary.to_json()
     emit(obj, args.json, f"kcloak {label}")
     explain(obj, args.json)
+    note = after(obj) if after is not None else None
+    if note is not None:
+        say(note)
     return 0
