@@ -503,7 +503,7 @@ async def run_demo(
     the provider cannot start, :class:`TransportError` when the MQTT broker is unreachable.
     """
     err = console or Console(stderr=True)
-    tell = say or (lambda msg: err.print(msg, highlight=False))
+    tell = say or (lambda msg: err.print(msg, highlight=False, soft_wrap=True))
     stop = stop or asyncio.Event()
     t_start = time.monotonic() if started is None else started
     timings: dict[str, float] = {}
@@ -515,23 +515,35 @@ async def run_demo(
     with _sigint_stops(interrupt), tempfile.TemporaryDirectory(prefix="kcloak-demo-") as tmp:
         work = Path(tmp)
         streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
+        streets_task.add_done_callback(
+            lambda t: (
+                None
+                if t.cancelled() or t.exception() is not None
+                else tell(f"      streets of central Beijing loaded ({time.monotonic() - t_start:.1f} s)")
+            )
+        )
         try:
             async with ReferenceLbs(log_path=work / "lbs.log") as lbs:
                 bcfg = demo_broker_config(
                     cfg, data_dir=work / "data", upstream_url=lbs.url, mqtt_port=free_port(), http_port=free_port()
                 )
                 async with BrokerProcess(bcfg, workdir=work) as broker:
-                    await _first_of(broker.ready(), interrupt)
+                    tell(
+                        "      started the kcloak broker and the reference LBS (child processes), loading the "
+                        f"streets; waiting for them ({time.monotonic() - t_start:.1f} s)"
+                    )
+                    await _first_of(_waiting(broker.ready(), "the kcloak broker to start", tell, t_start), interrupt)
                     tell(
                         f"[1/4] kcloak broker: algorithm {cfg.algorithm}, embedded MQTT on "
                         f"127.0.0.1:{broker.mqtt_port}, HTTP on 127.0.0.1:{broker.http_port} "
                         f"({time.monotonic() - t_start:.1f} s)"
                     )
-                    n_pois = await _first_of(lbs.ready(), interrupt)
+                    lbs_ready = _waiting(lbs.ready(), "the reference LBS to start", tell, t_start)
+                    n_pois = await _first_of(lbs_ready, interrupt)
                     tell(
                         f"[2/4] reference LBS: {n_pois} Beijing POIs on {lbs.url} ({time.monotonic() - t_start:.1f} s)"
                     )
-                    streets = await streets_task
+                    streets = await _waiting(asyncio.shield(streets_task), "the streets to load", tell, t_start)
                     km = float(streets.length_m.sum()) / 2000.0
                     side_km = (area[3] - area[1]) * math.pi / 180 * 6371.0088
                     timings["startup_s"] = time.monotonic() - t_start
@@ -541,6 +553,7 @@ async def run_demo(
                         f"per user per minute, profiles k = 5/10/20, until {cfg.duration_s:g} s "
                         f"({timings['startup_s']:.1f} s; Ctrl-C stops early)"
                     )
+                    tell(f"      setting {cfg.users:,} privacy profiles and placing the users on the streets")
                     sim = SimulationConfig(
                         users=cfg.users,
                         model="street",
@@ -615,6 +628,26 @@ async def run_demo(
     timings["report_s"] = time.monotonic() - t_report
     timings["total_s"] = time.monotonic() - t_start
     return DemoResult(summary=summary, files=files, timings_s=timings, interrupted=interrupt.is_set())
+
+
+WAIT_NOTE_S: Final = 5.0
+"""While a start-up step takes longer than this, a line says what the demo is still waiting for."""
+
+
+async def _waiting(work: Awaitable[T], what: str, tell: Callable[[str], None], t_start: float) -> T:
+    """Await ``work``, saying every :data:`WAIT_NOTE_S` seconds that the demo still waits for ``what``."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WAIT_NOTE_S)
+            if done:
+                return task.result()
+            tell(
+                f"      still waiting for {what} to start ({time.monotonic() - t_start:.0f} s; a busy machine is slow)"
+            )
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _first_of(work: Awaitable[T], interrupt: asyncio.Event) -> T:

@@ -132,6 +132,13 @@ def add_parser(subparsers: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = process_started()
+    print(
+        f"kcloak demo: starting ({time.monotonic() - started:.1f} s): loading kcloak, then the broker, the "
+        "reference LBS and the streets",
+        file=sys.stderr,
+        flush=True,
+    )
     from rich.console import Console
 
     from kcloak.cli._demo_run import DemoConfig, DemoStartupError, print_summary, run_demo
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import asyncio
 
-        result = asyncio.run(run_demo(cfg, live=live, console=err, started=process_started()))
+        result = asyncio.run(run_demo(cfg, live=live, console=err, started=started))
     except (DemoStartupError, TransportError) as exc:
         print(f"kcloak demo: error: {exc}", file=sys.stderr)
         return 1
