@@ -248,7 +248,7 @@ def _line_colours(path: Path) -> set[tuple[int, int, int]]:
     flat = rgb.reshape(-1, 3)
     saturated = flat[(flat.max(axis=1) - flat.min(axis=1)) > 40] // 32
     colours, counts = np.unique(saturated, axis=0, return_counts=True)
-    return {tuple(int(v) for v in c) for c, n in zip(colours, counts, strict=True) if n >= 60}
+    return {(int(c[0]), int(c[1]), int(c[2])) for c, n in zip(colours, counts, strict=True) if n >= 60}
 
 
 def test_achieved_k_marks_each_requested_k_in_its_own_colour(tmp_path: Path) -> None:
