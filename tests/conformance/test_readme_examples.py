@@ -16,8 +16,11 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 
-from tests.conformance.conftest import ROOT, Servers, http_json, kcloak
+import pytest
+
+from tests.conformance.conftest import ROOT, Served, Servers, http_json, kcloak
 
 ALICE = {"lat": 39.9087, "lon": 116.3975}  # the README's position, near Tiananmen
 QUERY = {"kind": "knn", "n": 5, "category": "restaurant"}
@@ -54,7 +57,7 @@ def test_readme_curl_sequence_succeeds_while_simulate_runs(servers: Servers) -> 
             "--users",
             "300",
             "--duration",
-            "8",
+            "5",
             "--query-rate",
             "20",
             "--seed",
@@ -97,16 +100,26 @@ def test_readme_curl_sequence_succeeds_while_simulate_runs(servers: Servers) -> 
         assert f"  {code} {n:,}" in stderr, stderr  # each refusal reason, with what it means
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One ``kcloak serve`` (with the reference LBS) for the replay and load examples: they only send."""
+    servers = Servers(tmp_path_factory.mktemp("shared"))
+    try:
+        yield servers.serve(upstream=servers.lbs())
+    finally:
+        servers.close()
+
+
 def _count_sample_rows() -> int:
     """Data rows of the bundled replay sample, read with the standard library."""
     with gzip.open(ROOT / "simulators" / "data" / "ais_nyharbor.csv.gz", "rt", encoding="utf-8") as f:
         return sum(1 for _ in csv.reader(f)) - 1
 
 
-def test_replay_sample_announces_its_length_and_stops_at_max_duration(servers: Servers) -> None:
+def test_replay_sample_announces_its_length_and_stops_at_max_duration(shared: Served) -> None:
     """``kcloak replay --sample`` works from any folder (the sample is bundled), says before sending how
     long it will take, and ``--max-duration`` cuts the input: the fixes sent and left out add up."""
-    served = servers.serve(mqtt=True)
+    served = shared
     t0 = time.monotonic()
     out = subprocess.run(
         kcloak(
@@ -115,7 +128,7 @@ def test_replay_sample_announces_its_length_and_stops_at_max_duration(servers: S
             "--speed",
             "600",
             "--max-duration",
-            "3",
+            "2",
             "--json",
             "--broker",
             f"mqtt://127.0.0.1:{served.mqtt_port}",
@@ -131,7 +144,7 @@ def test_replay_sample_announces_its_length_and_stops_at_max_duration(servers: S
     first = out.stderr.splitlines()[0]
     m = re.fullmatch(
         r"kcloak replay: ([\d,]+) fixes of ([\d,]+) users \(59 min 59 s recorded\) at speed 600: about (\d) s, "
-        r"until \d\d:\d\d:\d\d; ([\d,]+) later fixes left out by --max-duration 3",
+        r"until \d\d:\d\d:\d\d; ([\d,]+) later fixes left out by --max-duration 2",
         first,
     )
     assert m is not None, first
@@ -139,12 +152,12 @@ def test_replay_sample_announces_its_length_and_stops_at_max_duration(servers: S
     report = json.loads(out.stdout)
     assert report["sent"] == sent and report["users"] == users
     assert sent + dropped + report["bad_rows"] == _count_sample_rows()
-    assert eta_s == 3 and wall < 60  # it stopped at --max-duration, not at the hour / 600 = 6 s of the input
+    assert eta_s == 2 and wall < 60  # it stopped at --max-duration, not at the hour / 600 = 6 s of the input
 
 
-def test_replay_of_a_long_input_offers_a_speed(servers: Servers) -> None:
+def test_replay_of_a_long_input_offers_a_speed(shared: Served) -> None:
     """At speed 1 the bundled hour takes an hour: the first line says so and names a --speed that fits 5 min."""
-    served = servers.serve(mqtt=True)
+    served = shared
     proc = subprocess.Popen(
         kcloak("replay", "--sample", "--broker", f"mqtt://127.0.0.1:{served.mqtt_port}", "--json"),
         cwd=ROOT,
@@ -153,17 +166,19 @@ def test_replay_of_a_long_input_offers_a_speed(servers: Servers) -> None:
         text=True,
         start_new_session=True,
     )
-    servers.procs.append(proc)  # type: ignore[arg-type]
-    assert proc.stderr is not None
-    first = proc.stderr.readline().strip()
-    proc.terminate()
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline().strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
     assert "at speed 1: about 1 h 0 min" in first, first
     assert "(--speed 12 plays it in 5 min 0 s; --max-duration S stops after S seconds)" in first, first
 
 
-def test_load_accounts_for_its_time(servers: Servers) -> None:
-    """``kcloak load --duration 3``: the timed run stops on time and stderr says where the whole run's time went."""
-    served = servers.serve(mqtt=True, upstream=servers.lbs())
+def test_load_accounts_for_its_time(shared: Served) -> None:
+    """``kcloak load --duration 2``: the timed run stops on time and stderr says where the whole run's time went."""
+    served = shared
     t0 = time.monotonic()
     out = subprocess.run(
         kcloak(
@@ -171,7 +186,7 @@ def test_load_accounts_for_its_time(servers: Servers) -> None:
             "--rate",
             "300",
             "--duration",
-            "3",
+            "2",
             "--users",
             "300",
             "--json",
@@ -195,7 +210,7 @@ def test_load_accounts_for_its_time(servers: Servers) -> None:
     took, startup, setup, sending, drain = (float(g) for g in m.groups())
     assert abs(startup + setup + sending + drain - took) <= 0.25  # the parts add up (each rounded to 0.1 s)
     assert took <= wall and wall - took < 3.0  # and account for the time seen from outside, but the exit
-    assert 3.0 <= sending <= 3.3  # the timed run ends on time
+    assert 2.0 <= sending <= 2.3  # the timed run ends on time
     report = json.loads(out.stdout)
     sent = report["sent_updates"] + report["sent_queries"]
-    assert sent + report["unsent"] == 900
+    assert sent + report["unsent"] == 600
