@@ -155,6 +155,10 @@ REFUSAL_MESSAGES: dict[ReasonCode, str] = {
     ReasonCode.L_UNREACHABLE: (
         "no region with k users and l place categories fits within max_area_m2: lower l or raise max_area_m2"
     ),
+    ReasonCode.STALE_POSITION: (
+        "no recent fix from you (present = a fix within the presence window, 60 s shipped): send a fix first, "
+        "or put lat, lon and t in the query"
+    ),
     ReasonCode.UNSUPPORTED: "the algorithm cannot honour this profile",
     ReasonCode.EXPIRED: "not satisfiable within max_delay_s: raise max_delay_s or retry",
 }
