@@ -128,6 +128,9 @@ def run_audit_cloaking(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.observed_fraction) and 0 <= args.observed_fraction <= 1):
         raise UsageError("--observed-fraction: must be within [0, 1]")
     seed = _seed(args.seed)
+    if not args.no_progress:
+        source = f"reading {Path(args.data).name} and taking" if args.data is not None else "building"
+        print(f"kcloak audit cloaking: {source} {args.snapshots} snapshots (seed {seed})", file=sys.stderr, flush=True)
     try:
         config = AuditConfig(
             algorithms=algorithms,

@@ -269,6 +269,7 @@ def test_cli_off_a_terminal_prints_progress_and_verdicts_that_match_the_numbers(
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.splitlines()
+    assert err[0] == "kcloak audit cloaking: building 2 snapshots (seed 3)", proc.stderr
     for i, algorithm in enumerate(("nn", "hilbert"), start=1):
         assert f"{algorithm} k=10 ({i}/2): started (9 steps)" in err, proc.stderr
         assert any(line.startswith(f"{algorithm} k=10 ({i}/2): done in ") for line in err), proc.stderr
