@@ -106,29 +106,31 @@ def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
         console.print(f"  {key}: {json.dumps(value)}", soft_wrap=True)
 
 
-SIMULATION_HINTS: dict[str, str] = {
-    "k_unreachable": "fewer users were present than the querier's k: run more --users",
+TRAFFIC_HINTS: dict[str, str] = {
+    "k_unreachable": "fewer users were present than the querier's k",
     "area_exceeded": (
-        "too few users stood near the querier for a region of at most max_area_m2 (4 km2 shipped) to hold k of "
-        "them: put the users closer together (a smaller --area or more --users)"
+        "too few users stood near the querier for a region of at most max_area_m2 (4 km2 shipped) to hold k of them"
     ),
     "stale_position": "the querier's latest fix was older than 60 s when the query was cloaked: the client fell behind",
-    "rate_limited": "the broker's per-user limits: fewer --query-rate, or raise the broker's limits",
+    "rate_limited": "the broker's per-user limits: fewer queries per user, or raise the broker's limits",
     "overloaded": "the broker's queues were full: a lower rate, or fewer users",
     "upstream_error": "the location service did not answer: is kcloak serve's --upstream running?",
 }
-"""What a refusal of simulated traffic means for the run, by reason code (else the interface's advice)."""
+"""What a refusal of client traffic means for the run, by reason code (else the interface's advice)."""
 
 
-def refusal_lines(reasons: dict[str, int], answered: int) -> list[str]:
-    """One line per refusal reason, most frequent first: share of the answers, and why / what to change."""
+def refusal_lines(reasons: dict[str, int], answered: int, fixes: dict[str, str] | None = None) -> list[str]:
+    """One line per refusal reason, most frequent first: share of the answers, why, and (``fixes``, by code)
+    what to change in the command."""
     from kcloak.wire.reasons import REASONS
 
     advice = {r.code.value: r.action for r in REASONS}
     lines = []
     for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         share = f" ({n / answered:.0%} of answers)" if answered else ""
-        lines.append(f"  {code} {n:,}{share}: {SIMULATION_HINTS.get(code, advice.get(code, 'see docs/interface.md'))}")
+        why = TRAFFIC_HINTS.get(code, advice.get(code, "see docs/interface.md"))
+        fix = (fixes or {}).get(code)
+        lines.append(f"  {code} {n:,}{share}: {why}" + (f": {fix}" if fix else ""))
     return lines
 
 
@@ -137,7 +139,7 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def explain(summary: dict[str, Any], as_json: bool) -> None:
+def explain(summary: dict[str, Any], as_json: bool, fixes: dict[str, str] | None = None) -> None:
     """After a client command's summary: its success rate and why queries were refused (stderr with --json)."""
     answers = summary.get("answers")
     if isinstance(answers, dict):  # simulate, replay
@@ -151,7 +153,7 @@ def explain(summary: dict[str, Any], as_json: bool) -> None:
     out = [f"answered ok: {ok:,} of {ok + refused:,} answers ({ok / (ok + refused):.1%})"]
     if reasons:
         out.append("refused because:")
-        out += refusal_lines(reasons, ok + refused)
+        out += refusal_lines(reasons, ok + refused, fixes)
     for line in out:
         if as_json:
             say(line)
@@ -171,6 +173,7 @@ def run_and_report(
     *,
     announce: str | None = None,
     after: Callable[[dict[str, Any]], str | None] | None = None,
+    fixes: dict[str, str] | None = None,
 ) -> int:
     """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
     summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
@@ -184,7 +187,7 @@ def run_and_report(
             return unreachable(exc)
     obj = summary.to_json()
     emit(obj, args.json, f"kcloak {label}")
-    explain(obj, args.json)
+    explain(obj, args.json, fixes)
     note = after(obj) if after is not None else None
     if note is not None:
         say(note)

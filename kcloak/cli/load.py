@@ -64,6 +64,10 @@ def run_load_cmd(args: argparse.Namespace) -> int:
             f"{args.duration:g} s, then up to {cfg.drain_s:g} s for the last answers"
         ),
         after=phases_line,
+        fixes={
+            "area_exceeded": "load spreads its users over the whole bundled extract to measure latency; "
+            "kcloak simulate measures success rates",
+        },
     )
     return code
 

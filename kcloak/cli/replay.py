@@ -117,4 +117,5 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
         "replay",
         lambda update: run_replay(cfg, plan=plan, on_progress=update),
         announce=replay_eta(plan, cfg.speed, cfg.max_duration_s),
+        fixes={"area_exceeded": "the recorded users are too far apart for the profiles' k"},
     )

@@ -132,4 +132,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         "simulate",
         lambda update: run_simulation(cfg, observer=Ticker(update)),
         announce=f"kcloak simulate: {args.users:,} users ({args.model}) in {where}, for {args.duration:g} s",
+        fixes={
+            "k_unreachable": "run more --users",
+            "area_exceeded": "put the users closer together (a smaller --area or more --users)",
+        },
     )
