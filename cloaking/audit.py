@@ -610,10 +610,14 @@ def figure_title(report: AuditReport) -> str:
     )
 
 
+NEAR_ZERO = 0.01
+"""A panel whose every success rate is below this says so in words (its bars are too low to see)."""
+
+
 def _y_top(values: Sequence[float]) -> float:
     """A panel's y range: up to 1 when a rate is high, else zoomed so that small rates and 1/k stay visible."""
-    finite = [v for v in values if math.isfinite(v)]
-    return min(1.05, max(0.25, 1.2 * max(finite, default=0.0)))
+    high = max((v for v in values if math.isfinite(v)), default=0.0)
+    return 1.05 if high > 0.5 else max(0.25, 1.2 * high)
 
 
 def write_figures(report: AuditReport, directory: Any) -> list[str]:
@@ -657,8 +661,10 @@ def write_figures(report: AuditReport, directory: Any) -> list[str]:
         ax.set_ylim(0, top)
         if top < 1.0:
             ax.set_title(f"{attack} (zoomed to {top:.2f})")
-        if not any(r.success_rate for r in rows if r.attack == attack):
-            ax.text(0.5, 0.6, f"no success in {trials:,} trials", ha="center", transform=ax.transAxes, fontsize=9)
+        best = max((r.success_rate or 0.0 for r in rows if r.attack == attack), default=0.0)
+        if best < NEAR_ZERO:  # bars too low to see: say what they are
+            note = f"no success in {trials:,} trials" if best == 0 else f"every rate ≤ {best:.3f} ({trials:,} trials)"
+            ax.text(0.5, 0.6, note, ha="center", transform=ax.transAxes, fontsize=9)
         ax.set_ylabel("success rate")
     for ax in list(axes.flat)[len(attacks) :]:
         ax.axis("off")
