@@ -186,6 +186,7 @@ class _Display:
             self.console.print(
                 f"      users are moving ({now - self._t_enter:.1f} s to place them and set their profiles)",
                 highlight=False,
+                soft_wrap=True,
             )
         elif self._started and now - self._last_plain >= PLAIN_PERIOD_S:
             self._last_plain = now
@@ -194,6 +195,7 @@ class _Display:
                 f"  {s['clock']:>4.0f} s  {s['users']} users  {s['rate']} updates/s  {s['queries']} queries  "
                 f"success {s['success']}  median area {s['area']}  p99 latency {s['p99']}",
                 highlight=False,
+                soft_wrap=True,
             )
 
     def _stats(self) -> dict[str, Any]:
