@@ -31,7 +31,7 @@ from kcloak.broker.forwarding import Timing
 from kcloak.broker.history import RecentFixes
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.positions import PositionReader
-from kcloak.cloaking.cloakers import Cloaker, CloakMode, Refusal, Region, cloaker_class
+from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, Cloaker, CloakMode, Refusal, Region, cloaker_class
 from kcloak.cloaking.cloakers.clique import CliqueCloak, CliqueRelease, CliqueRequest
 from kcloak.cloaking.index import IndexView
 from kcloak.cloaking.temporal import TemporalCloak
@@ -199,7 +199,7 @@ class SnapshotCloaking:
             row = view.row(job.user)
             result: Region | Refusal
             if row is None:
-                result = Refusal(ReasonCode.STALE_POSITION, "no present position for this user")
+                result = Refusal(ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION])
             else:
                 try:
                     result = self.cloaker.cloak(view, row, job.profile)

@@ -38,7 +38,7 @@ from kcloak.broker.profiles import Profiles
 from kcloak.broker.sessions import ContinuousQueries, SessionTable
 from kcloak.broker.stores import MovementStore, ProfileStore, QueryLog
 from kcloak.broker.upstream import UpstreamClient
-from kcloak.cloaking.cloakers import Refusal
+from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, Refusal
 from kcloak.cloaking.index import PositionIndex
 from kcloak.core.places import PlacesLayer
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
@@ -362,7 +362,7 @@ class Pipeline:
             if code is ReasonCode.INVALID or code is ReasonCode.SHUTDOWN:
                 return self._refused(qid, code, "t: outside the accepted clock skew")
         if not self.positions.is_present(user, self._clock()):
-            return self._refused(qid, ReasonCode.STALE_POSITION, "no present position for this user")
+            return self._refused(qid, ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION])
         mode = self.cloaking
         if q.continuous and mode.continuous_refusal is not None:
             return self._refused(qid, ReasonCode.UNSUPPORTED, mode.continuous_refusal)

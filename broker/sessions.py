@@ -24,7 +24,7 @@ from kcloak.broker.forwarding import Background, Forwarder, Timing
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.modes import Cloaked, Views
 from kcloak.broker.positions import PositionReader
-from kcloak.cloaking.cloakers import Refusal
+from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, Refusal
 from kcloak.cloaking.continuous import SessionError, SharedGroup, ends_session
 from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ReasonCode
@@ -322,7 +322,7 @@ class ContinuousQueries:
             return Answer.stopped(qid, session.brief(), self.clock())
         self.table.touch(session)
         if not self.positions.is_present(user, self.clock()):
-            return self._refused(qid, ReasonCode.STALE_POSITION, "no present position for this user", session)
+            return self._refused(qid, ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION], session)
         started = time.perf_counter()
         # The newest view: every member's latest accepted fix, not only the querier's.
         view = self.views.latest()

@@ -24,8 +24,9 @@ Background knowledge of the scenario:
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -514,11 +515,23 @@ def make_attack(name: AttackName, config: AuditConfig) -> CloakingAttack:
 
 
 def cloak_world(
-    world: World, algorithm: str, profile: PrivacyProfile, *, seed: int, session_refreshes: int | None = None
+    world: World,
+    algorithm: str,
+    profile: PrivacyProfile,
+    *,
+    seed: int,
+    session_refreshes: int | None = None,
+    on_frame: Callable[[], None] | None = None,
 ) -> CloakedWorld:
-    """Forward a request of every present user at every frame (the attacker's K1 + K2 recomputation)."""
+    """Forward a request of every present user at every frame (the attacker's K1 + K2 recomputation);
+    ``on_frame`` is called after each frame."""
     w = with_profile(world, profile, seed)
-    fwd = tuple(forward_all(algorithm, v, profile, seed=seed) for v in w.frames)
+    out: list[Forwarded] = []
+    for v in w.frames:
+        out.append(forward_all(algorithm, v, profile, seed=seed))
+        if on_frame is not None:
+            on_frame()
+    fwd = tuple(out)
     return CloakedWorld(
         w, algorithm, profile, fwd, session_runner(algorithm, w, fwd, profile, refreshes=session_refreshes)
     )
@@ -551,21 +564,26 @@ def run_audit(world: World, config: AuditConfig, *, progress: Progress | None = 
     snap = snapshot_targets(world, config.queries, config.seed)
     track = tracking_targets(world, config.queries, config.seed)
     rows: list[AuditRow] = []
-    for algorithm in config.algorithms:
-        for k in config.ks:
-            prog.phase(f"{algorithm} k={k}", len(world.frames) + len(config.attacks))
-            profile = PrivacyProfile(k=k, max_area_m2=config.max_area_m2)
-            data = cloak_world(world, algorithm, profile, seed=config.seed, session_refreshes=config.session_refreshes)
-            prog.advance(len(world.frames))
-            areas = np.concatenate([f.area_m2[f.ok] for f in data.forwarded]) if data.forwarded else np.zeros(0)
-            median = float(np.median(areas)) if len(areas) else None
-            for name in config.attacks:
-                attack = make_attack(name, config)
-                targets = (
-                    track if name in (AttackName.QUERY_TRACKING_NAIVE, AttackName.QUERY_TRACKING_SESSION) else snap
-                )
-                rows.append(_row(algorithm, k, name, attack, data, targets, median))
-                prog.advance(1)
+    n_phases = len(config.algorithms) * len(config.ks)
+    for i, (algorithm, k) in enumerate(itertools.product(config.algorithms, config.ks), start=1):
+        # one phase per algorithm and k: cloak every frame, then run every attack
+        prog.phase(f"{algorithm} k={k} ({i}/{n_phases})", len(world.frames) + len(config.attacks))
+        profile = PrivacyProfile(k=k, max_area_m2=config.max_area_m2)
+        data = cloak_world(
+            world,
+            algorithm,
+            profile,
+            seed=config.seed,
+            session_refreshes=config.session_refreshes,
+            on_frame=lambda: prog.advance(1),
+        )
+        areas = np.concatenate([f.area_m2[f.ok] for f in data.forwarded]) if data.forwarded else np.zeros(0)
+        median = float(np.median(areas)) if len(areas) else None
+        for name in config.attacks:
+            attack = make_attack(name, config)
+            targets = track if name in (AttackName.QUERY_TRACKING_NAIVE, AttackName.QUERY_TRACKING_SESSION) else snap
+            rows.append(_row(algorithm, k, name, attack, data, targets, median))
+            prog.advance(1)
     return AuditReport(config, world.description, tuple(rows))
 
 
@@ -599,8 +617,34 @@ def _row(
 
 
 # -- pictures ---------------------------------------------------------------------------------
+def figure_title(report: AuditReport) -> str:
+    """The pictures' title: what was audited (data, seed, k, requests per row)."""
+    ks = "/".join(str(k) for k in report.config.ks)
+    world = report.world
+    source = world.get("source", "synthetic")
+    users = world.get("users")
+    frames = world.get("frames")
+    where = f"{source}" + (f", {users:,} users" if isinstance(users, int) else "")
+    where += f", {frames} snapshots" if isinstance(frames, int) else ""
+    return (
+        f"kcloak audit cloaking: {where}; seed {report.config.seed}; k = {ks}; "
+        f"{report.config.queries:,} attacked requests per bar"
+    )
+
+
+NEAR_ZERO = 0.01
+"""A panel whose every success rate is below this says so in words (its bars are too low to see)."""
+
+
+def _y_top(values: Sequence[float]) -> float:
+    """A panel's y range: up to 1 when a rate is high, else zoomed so that small rates and 1/k stay visible."""
+    high = max((v for v in values if math.isfinite(v)), default=0.0)
+    return 1.05 if high > 0.5 else max(0.25, 1.2 * high)
+
+
 def write_figures(report: AuditReport, directory: Any) -> list[str]:
-    """``attack_success.png`` (success per cloaker against 1/k) and ``frontier.png`` (success vs median area)."""
+    """``attack_success.png`` (success per cloaker against 1/k) and ``frontier.png`` (success vs median area),
+    each titled with the data, seed and k values; a panel whose attack never succeeded says so."""
     from pathlib import Path
 
     require_pictures()
@@ -615,7 +659,10 @@ def write_figures(report: AuditReport, directory: Any) -> list[str]:
     nrows = max(1, math.ceil(len(attacks) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     width = 0.8 / max(1, len(ks))
+    title = figure_title(report)
     for ax, attack in zip(axes.flat, attacks, strict=False):
+        shown: list[float] = []
+        trials = 0
         for j, k in enumerate(ks):
             vals = []
             errs = []
@@ -623,23 +670,34 @@ def write_figures(report: AuditReport, directory: Any) -> list[str]:
                 r = next((x for x in rows if x.attack == attack and x.algorithm == a and x.k == k), None)
                 vals.append(r.success_rate if r and r.success_rate is not None else np.nan)
                 errs.append(r.tolerance if r and r.tolerance is not None else 0.0)
+                trials += r.trials if r else 0
             xs = np.arange(len(algos)) + (j - (len(ks) - 1) / 2) * width
             ax.bar(xs, vals, width, yerr=errs, capsize=2, label=f"k={k}")
             ax.hlines(1.0 / k, xs[0] - width / 2, xs[-1] + width / 2, colors="k", linestyles="dashed", linewidth=0.8)
+            shown += [v + e for v, e in zip(vals, errs, strict=True)] + [1.0 / k]
         ax.set_title(attack)
         ax.set_xticks(np.arange(len(algos)), algos, rotation=30, fontsize=8)
-        ax.set_ylim(0, 1.05)
+        top = _y_top(shown)
+        ax.set_ylim(0, top)
+        if top < 1.0:
+            ax.set_title(f"{attack} (zoomed to {top:.2f})")
+        best = max((r.success_rate or 0.0 for r in rows if r.attack == attack), default=0.0)
+        if best < NEAR_ZERO:  # bars too low to see: say what they are
+            note = f"no success in {trials:,} trials" if best == 0 else f"every rate ≤ {best:.3f} ({trials:,} trials)"
+            ax.text(0.5, 0.6, note, ha="center", transform=ax.transAxes, fontsize=9)
         ax.set_ylabel("success rate")
     for ax in list(axes.flat)[len(attacks) :]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7, title="dashed: 1/k", title_fontsize=7)
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.93, wspace=0.3, hspace=0.55)
+    axes.flat[0].legend(fontsize=7, title="dashed: 1/k; bars: ± tolerance", title_fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.88, wspace=0.3, hspace=0.55)
     fig.savefig(out / "attack_success.png", dpi=110)
     plt.close(fig)
 
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     markers = "osD^v<>p"
     for ax, attack in zip(axes.flat, attacks, strict=False):
+        shown = []
         for i, a in enumerate(algos):
             pts = [
                 (r.area_m2_median, r.success_rate, r.k)
@@ -649,18 +707,26 @@ def write_figures(report: AuditReport, directory: Any) -> list[str]:
             if not pts:
                 continue
             xs2, ys, _ = zip(*pts, strict=True)
-            ax.plot(xs2, ys, marker=markers[i % len(markers)], label=a)
-            for x, y, kv in pts:
-                ax.annotate(str(kv), (x, y), fontsize=6)
+            (line,) = ax.plot(xs2, ys, marker=markers[i % len(markers)], label=a)
+            for x, y, kv in (pts[0], pts[-1]) if len(pts) > 1 else pts:  # the ends: k grows along the line
+                ax.annotate(
+                    f"k={kv}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6, color=line.get_color()
+                )
+            shown += list(ys)
         ax.set_xscale("log")
+        ax.margins(x=0.25)  # room for the k labels of the points at either end
         ax.set_title(attack)
         ax.set_xlabel("median region area (m²)")
         ax.set_ylabel("success rate")
-        ax.set_ylim(0, 1.05)
+        top = _y_top([y * 1.1 for y in shown])
+        ax.set_ylim(0, top)
+        if top < 1.0:
+            ax.set_title(f"{attack} (zoomed to {top:.2f})")
     for ax in list(axes.flat)[len(attacks) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.93, wspace=0.3, hspace=0.55)
+    fig.suptitle(title + " (each point one k; lower left is better)", fontsize=11)
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.14, top=0.88, wspace=0.3, hspace=0.55)
     fig.savefig(out / "frontier.png", dpi=110)
     plt.close(fig)
     return ["attack_success.png", "frontier.png"]

@@ -87,7 +87,7 @@ class SharedGroup:
         if querier not in self.members:
             raise SessionError("session refresh: the querier is not a member of the group")
         if view.row(querier) is None:
-            return refuse(ReasonCode.STALE_POSITION, "no present position for this user")
+            return refuse(ReasonCode.STALE_POSITION)
         present = [u for u in self.members if view.row(u) is not None]
         self.members = frozenset(present)
         if len(present) < profile.k:

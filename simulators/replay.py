@@ -36,6 +36,17 @@ TICK_S = 0.02
 START_DELAY_S = 1.0
 """The earliest fix is sent this long after the start (contract §9)."""
 
+SAMPLE = "ais_nyharbor.csv.gz"
+"""The bundled replay sample (``kcloak replay --sample``): one hour of 295 vessels in New York harbour
+(AIS, public domain / BSD; see ``simulators/data/ATTRIBUTION.md``)."""
+
+
+def sample_path() -> Path:
+    """Where the bundled replay sample is installed."""
+    from importlib import resources
+
+    return Path(str(resources.files("kcloak.simulators.data").joinpath(SAMPLE)))
+
 
 class ReplayInputError(SimulationInputError):
     """Unreadable input, bad flag values, or more sources than tokens (exit 2)."""
@@ -65,8 +76,12 @@ class ReplayConfig:
     tokens: Path | None = None
     query_kind: str = "mix"
     seed: int | None = None
+    max_duration_s: float | None = None
+    """Send only the fixes due within this many seconds of the start (the rest of the input is dropped)."""
 
     def __post_init__(self) -> None:
+        if self.max_duration_s is not None and not (math.isfinite(self.max_duration_s) and self.max_duration_s > 0):
+            raise ReplayInputError("--max-duration: must be finite and > 0")
         if self.format is not None and self.format not in FORMATS:
             raise ReplayInputError(f"--format: must be one of {', '.join(FORMATS)}")
         if not (math.isfinite(self.speed) and self.speed > 0):
@@ -134,9 +149,18 @@ class ReplayPlan:
     lat: npt.NDArray[np.float64]
     lon: npt.NDArray[np.float64]
     bad_rows: int
+    source_span_s: float = 0.0
+    """Recorded time from the input's first to its last usable fix."""
+    dropped: int = 0
+    """Fixes of the input left out by ``limit`` or ``max_duration_s``."""
 
     def __len__(self) -> int:
         return len(self.offset_s)
+
+    @property
+    def eta_s(self) -> float:
+        """Seconds from the start until the last fix is due (the replay's length, without the final drain)."""
+        return float(self.offset_s[-1]) if len(self.offset_s) else 0.0
 
 
 def resample(
@@ -180,13 +204,13 @@ def plan_replay(table: FixTable, cfg: ReplayConfig, tokens: list[tuple[str, str]
     order = np.lexsort((src, t))
     offset = START_DELAY_S + (t[order] - t.min()) / cfg.speed
     plan_src, plan_lat, plan_lon = src[order].astype(np.int64), lat[order], lon[order]
-    if cfg.limit is not None:
-        offset, plan_src, plan_lat, plan_lon = (
-            offset[: cfg.limit],
-            plan_src[: cfg.limit],
-            plan_lat[: cfg.limit],
-            plan_lon[: cfg.limit],
-        )
+    total = len(offset)
+    keep = len(offset) if cfg.limit is None else min(cfg.limit, len(offset))
+    if cfg.max_duration_s is not None:
+        keep = min(keep, int(np.searchsorted(offset, cfg.max_duration_s, side="right")))
+        if keep == 0:
+            raise ReplayInputError(f"--max-duration: no fix is due within {cfg.max_duration_s:g} s")
+    offset, plan_src, plan_lat, plan_lon = offset[:keep], plan_src[:keep], plan_lat[:keep], plan_lon[:keep]
     # Sources that send at least one fix, renumbered 0.. in order of first appearance.
     present, plan_user = np.unique(plan_src, return_inverse=True)
     n_users = len(present)
@@ -200,7 +224,10 @@ def plan_replay(table: FixTable, cfg: ReplayConfig, tokens: list[tuple[str, str]
         users = [source_user(cfg.user_prefix, i) for i in range(n_users)]
         if not valid_user_id(users[-1]):
             raise ReplayInputError(f"--user-prefix: user ids like P000001 must match {USER_ID_RULE}")
-    return ReplayPlan(users, plan_user.astype(np.int64), offset, plan_lat, plan_lon, table.bad_rows)
+    span = float(t.max() - t.min())
+    return ReplayPlan(
+        users, plan_user.astype(np.int64), offset, plan_lat, plan_lon, table.bad_rows, span, total - len(offset)
+    )
 
 
 def load_plan(cfg: ReplayConfig) -> tuple[ReplayPlan, list[tuple[str, str]] | None]:
@@ -294,4 +321,14 @@ async def run_replay(
         )
 
 
-__all__ = ["ReplayConfig", "ReplayInputError", "ReplayPlan", "ReplaySummary", "load_plan", "plan_replay", "run_replay"]
+__all__ = [
+    "SAMPLE",
+    "ReplayConfig",
+    "ReplayInputError",
+    "ReplayPlan",
+    "ReplaySummary",
+    "load_plan",
+    "plan_replay",
+    "run_replay",
+    "sample_path",
+]

@@ -420,10 +420,15 @@ def plot_cloak_area(path: Path, area_m2: Sequence[float], *, max_area_m2: float 
     )
 
 
+REQUESTED_K_COLOURS: Final = ("#55a868", "#8172b3", "#c44e52", "#937860", "#da8bc3")
+"""One colour per requested k on ``achieved_k.png`` (the mean is orange, the bars blue)."""
+
+
 def plot_achieved_k(path: Path, k_achieved: Sequence[int], *, requested_k: Sequence[int] = ()) -> None:
     """Distribution of ``k_achieved`` (``ok`` answers), the requested k of the profile mix marked."""
     marks: list[tuple[float, str, str]] = [
-        (float(k), f"k = {k} requested", "#c44e52") for k in sorted(set(requested_k))
+        (float(k), f"k = {k} requested", REQUESTED_K_COLOURS[i % len(REQUESTED_K_COLOURS)])
+        for i, k in enumerate(sorted(set(requested_k)))
     ]
     if k_achieved:
         mean = float(np.mean(k_achieved))

@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from kcloak.core.errors import InputError
 from kcloak.core.names import SimulatedQueryKind, values
+from kcloak.core.places import load_pois
 from kcloak.core.profile import PrivacyProfile, ProfileError
 from kcloak.simulators.bench import MODELS
 from kcloak.simulators.bench import build_model as build_bundled_model
@@ -56,7 +57,7 @@ from kcloak.simulators.client import (
     percentiles_ms,
 )
 from kcloak.simulators.errors import SimulatorError
-from kcloak.simulators.mobility import MobilityModel
+from kcloak.simulators.mobility import HotspotModel, MobilityModel, RandomWaypoint
 from kcloak.simulators.streets import StreetGraph, StreetMovement, load_street_graph
 from kcloak.simulators.transport import BrokerUrl
 
@@ -154,7 +155,7 @@ class SimulationConfig:
     graph: StreetGraph | None = field(default=None, compare=False, repr=False)
     """A ready street network for ``model="street"`` (instead of ``osm`` or the bundled sample)."""
     bbox: tuple[float, float, float, float] | None = None
-    """``(min_lon, min_lat, max_lon, max_lat)``: the street network is cropped to this box."""
+    """``(min_lon, min_lat, max_lon, max_lat)``: users keep to this box (the street network is cropped to it)."""
     profile_broker: str | None = None
     """Set the stored profiles through this door (e.g. the broker's ``http://`` URL) instead of ``broker``."""
 
@@ -179,8 +180,8 @@ class SimulationConfig:
                 BrokerUrl.parse(self.profile_broker)
         except ValueError as exc:
             raise SimulationInputError(str(exc)) from None
-        if (self.graph is not None or self.bbox is not None) and self.model != "street":
-            raise SimulationInputError("a street graph or bbox needs model 'street'")
+        if self.graph is not None and self.model != "street":
+            raise SimulationInputError("a street graph needs model 'street'")
         if self.graph is not None and self.osm is not None:
             raise SimulationInputError("give either an OSM file or a street graph, not both")
         if self.graph is not None and self.graph.nodes == 0:
@@ -297,6 +298,12 @@ def street_graph(
     return graph
 
 
+@dataclass(frozen=True, slots=True)
+class _LatLon:
+    lat: npt.NDArray[np.float64]
+    lon: npt.NDArray[np.float64]
+
+
 def build_model(
     name: str,
     users: int,
@@ -307,10 +314,19 @@ def build_model(
     bbox: tuple[float, float, float, float] | None = None,
 ) -> MobilityModel:
     """The model behind ``--model``: ``street`` drives on ``graph``, ``--osm`` or the bundled Beijing sample,
-    cropped to ``bbox`` when given."""
+    cropped to ``bbox`` when given; ``waypoint`` and ``hotspot`` keep to ``bbox`` (hotspots: the POIs inside)."""
     s = seed if seed is not None else secrets.randbits(32)
     if name == "street" and (osm is not None or graph is not None or bbox is not None):
         return StreetMovement(users, street_graph(osm=osm, graph=graph, bbox=bbox), seed=s)
+    if name == "waypoint" and bbox is not None:
+        return RandomWaypoint(users, bbox, seed=s)
+    if name == "hotspot" and bbox is not None:
+        pois = load_pois(None)
+        lat, lon = pois.lat, pois.lon
+        inside = (lon > bbox[0]) & (lon < bbox[2]) & (lat > bbox[1]) & (lat < bbox[3])
+        if not inside.any():
+            raise SimulationInputError("bbox: no point of interest inside the box for the hotspot model")
+        return HotspotModel(users, _LatLon(lat[inside], lon[inside]), bbox=bbox, seed=s)
     try:
         return build_bundled_model(name, users, seed=s)
     except ValueError as exc:

@@ -49,7 +49,7 @@ from kcloak.broker.modes import SnapshotCloaking, Views, build_cloaker
 from kcloak.broker.positions import Positions
 from kcloak.broker.stores import QueryLog
 from kcloak.broker.upstream import UpstreamClient
-from kcloak.cloaking.cloakers import Refusal, Region
+from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, Refusal, Region
 from kcloak.cloaking.index import PositionIndex
 from kcloak.core.geometry import BBox
 from kcloak.core.logs import log_event
@@ -334,7 +334,9 @@ class CellOwner:
     ) -> Answer:
         qid = q.query_id
         if not await self._wait_applied(int(routed.get("fix_seq", 0))) or token not in self.index:
-            return Answer.refused(qid, ReasonCode.STALE_POSITION, "no present position for this user", time.time())
+            return Answer.refused(
+                qid, ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION], time.time()
+            )
         cloaked = await self.cloaking.cloak(token, profile, timing)
         if isinstance(cloaked, Refusal):
             return Answer.refused(qid, cloaked.reason, cloaked.message, time.time())

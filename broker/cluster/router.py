@@ -67,7 +67,7 @@ from kcloak.broker.metrics import Metrics
 from kcloak.broker.modes import build_cloaker
 from kcloak.broker.ratelimit import TokenBuckets
 from kcloak.cloaking.cells import CellMap
-from kcloak.cloaking.cloakers import CloakMode
+from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, CloakMode
 from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
 from kcloak.wire.answers import Answer
@@ -626,7 +626,7 @@ class Router:
                 return await refuse(code, "t: outside the accepted clock skew")
         st = self.users.get(token)
         if st is None or st.cell is None or st.t < now - self.config.cloaking.stale_after_s:
-            return await refuse(ReasonCode.STALE_POSITION, "no present position for this user")
+            return await refuse(ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION])
         if effective.l > 1 and not self.supports_l:
             return await refuse(ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
         if not await self._owner_answers(st.cell):

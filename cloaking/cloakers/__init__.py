@@ -7,6 +7,7 @@ from typing import Any
 
 from kcloak.cloaking.cloakers.base import (
     BATCH_CODES,
+    REFUSAL_MESSAGES,
     STATUS_OK,
     BatchResult,
     Cloaker,
@@ -51,6 +52,7 @@ def get_cloaker(name: str, **params: Any) -> Any:
 
 __all__ = [
     "BATCH_CODES",
+    "REFUSAL_MESSAGES",
     "SPATIAL_ALGORITHMS",
     "STATUS_OK",
     "BatchResult",

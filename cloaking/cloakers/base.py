@@ -144,11 +144,23 @@ class BatchResult:
 
 
 REFUSAL_MESSAGES: dict[ReasonCode, str] = {
-    ReasonCode.K_UNREACHABLE: "fewer than k users are present",
-    ReasonCode.AREA_EXCEEDED: "no region with k users fits within max_area_m2",
-    ReasonCode.L_UNREACHABLE: "no region with l place categories fits within max_area_m2",
+    ReasonCode.K_UNREACHABLE: (
+        "fewer users are present (a recent fix) than your profile's k: retry when more users are around, "
+        "or store a lower k"
+    ),
+    ReasonCode.AREA_EXCEEDED: (
+        "k users are present, but too few of them are near you for a region holding k users to fit within "
+        "max_area_m2: retry when more users are near, or store a larger max_area_m2 or a lower k"
+    ),
+    ReasonCode.L_UNREACHABLE: (
+        "no region with k users and l place categories fits within max_area_m2: lower l or raise max_area_m2"
+    ),
+    ReasonCode.STALE_POSITION: (
+        "no recent fix from you (present = a fix within the presence window, 60 s shipped): send a fix first, "
+        "or put lat, lon and t in the query"
+    ),
     ReasonCode.UNSUPPORTED: "the algorithm cannot honour this profile",
-    ReasonCode.EXPIRED: "not satisfiable within max_delay_s",
+    ReasonCode.EXPIRED: "not satisfiable within max_delay_s: raise max_delay_s or retry",
 }
 
 

@@ -53,7 +53,11 @@ _UNSUPPORTED = refuse(ReasonCode.UNSUPPORTED, "hilbert: l > 1 is not supported (
 _K_UNREACHABLE = refuse(ReasonCode.K_UNREACHABLE)
 # k users are present, but the population is smaller than its own largest stored k, so no bucket
 # can be formed: the algorithm builds no region (contract §2: area_exceeded, not k_unreachable).
-_NOT_PLACED = refuse(ReasonCode.AREA_EXCEEDED, "no bucket: fewer present users than the largest stored k")
+_NOT_PLACED = refuse(
+    ReasonCode.AREA_EXCEEDED,
+    "hilbert puts every present user in a group as large as the largest k any of them stored, and fewer "
+    "users are present than that k, so no group holds you yet: retry when more users are around",
+)
 _AREA_EXCEEDED = refuse(ReasonCode.AREA_EXCEEDED)
 _EDGE_CHECK = refuse(ReasonCode.K_UNREACHABLE, "internal check: region holds fewer than k users")
 _UNCOUNTED = -1  # k_achieved of a bucket whose users are not counted yet

@@ -63,10 +63,12 @@ def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], Non
         yield update
 
 
-def run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+def run_client(
+    broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]], *, announce: str | None = None
+) -> T:
     """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
 
-    The probe uses the tokens file's first user over MQTT. Raises
+    ``announce`` goes to stderr once the probe succeeded. The probe uses the tokens file's first user over MQTT. Raises
     :class:`~kcloak.simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
     """
     import asyncio
@@ -82,6 +84,8 @@ def run_client(broker: str, tokens: Path | None, work: Callable[[], Coroutine[An
 
     async def checked() -> T:
         await probe_broker(broker, credentials=credentials)
+        if announce is not None:
+            say(announce)
         return await work()
 
     try:
@@ -99,7 +103,62 @@ def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
     console = Console()
     console.print(f"[bold]{title}[/bold]")
     for key, value in obj.items():
-        console.print(f"  {key}: {json.dumps(value)}")
+        console.print(f"  {key}: {json.dumps(value)}", soft_wrap=True)
+
+
+TRAFFIC_HINTS: dict[str, str] = {
+    "k_unreachable": "fewer users were present than the querier's k",
+    "area_exceeded": (
+        "too few users stood near the querier for a region of at most max_area_m2 (4 km2 shipped) to hold k of them"
+    ),
+    "stale_position": "the querier's latest fix was older than 60 s when the query was cloaked: the client fell behind",
+    "rate_limited": "the broker's per-user limits: fewer queries per user, or raise the broker's limits",
+    "overloaded": "the broker's queues were full: a lower rate, or fewer users",
+    "upstream_error": "the location service did not answer: is kcloak serve's --upstream running?",
+}
+"""What a refusal of client traffic means for the run, by reason code (else the interface's advice)."""
+
+
+def refusal_lines(reasons: dict[str, int], answered: int, fixes: dict[str, str] | None = None) -> list[str]:
+    """One line per refusal reason, most frequent first: share of the answers, why, and (``fixes``, by code)
+    what to change in the command."""
+    from kcloak.wire.reasons import REASONS
+
+    advice = {r.code.value: r.action for r in REASONS}
+    lines = []
+    for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        share = f" ({n / answered:.0%} of answers)" if answered else ""
+        why = TRAFFIC_HINTS.get(code, advice.get(code, "see docs/interface.md"))
+        fix = (fixes or {}).get(code)
+        lines.append(f"  {code} {n:,}{share}: {why}" + (f": {fix}" if fix else ""))
+    return lines
+
+
+def say(message: str) -> None:
+    """A line for the person at the terminal, on stderr (stdout stays one JSON object with --json)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def explain(summary: dict[str, Any], as_json: bool, fixes: dict[str, str] | None = None) -> None:
+    """After a client command's summary: its success rate and why queries were refused (stderr with --json)."""
+    answers = summary.get("answers")
+    if isinstance(answers, dict):  # simulate, replay
+        ok, refused, reasons = int(answers.get("ok") or 0), int(answers.get("refused") or 0), answers.get("reasons")
+    else:  # load
+        ok, refused = int(summary.get("answers_ok") or 0), int(summary.get("answers_refused") or 0)
+        reasons = summary.get("reasons")
+    reasons = reasons or {}
+    if ok + refused == 0:
+        return
+    out = [f"answered ok: {ok:,} of {ok + refused:,} answers ({ok / (ok + refused):.1%})"]
+    if reasons:
+        out.append("refused because:")
+        out += refusal_lines(reasons, ok + refused, fixes)
+    for line in out:
+        if as_json:
+            say(line)
+        else:
+            print(line)
 
 
 def unreachable(exc: TransportError) -> int:
@@ -108,7 +167,13 @@ def unreachable(exc: TransportError) -> int:
 
 
 def run_and_report(
-    args: argparse.Namespace, label: str, work: Callable[[Progress | None], Coroutine[Any, Any, Any]]
+    args: argparse.Namespace,
+    label: str,
+    work: Callable[[Progress | None], Coroutine[Any, Any, Any]],
+    *,
+    announce: str | None = None,
+    after: Callable[[dict[str, Any]], str | None] | None = None,
+    fixes: dict[str, str] | None = None,
 ) -> int:
     """``kcloak LABEL``'s run: probe the broker, run ``work(progress)`` with a progress bar on stderr, print its
     summary (``--json``: one object); exit 0, or 1 when the broker is unreachable, not kcloak or lost.
@@ -117,8 +182,13 @@ def run_and_report(
 
     with progress_bar(not args.no_progress, label) as update:
         try:
-            summary = run_client(args.broker, args.tokens, lambda: work(update))
+            summary = run_client(args.broker, args.tokens, lambda: work(update), announce=announce)
         except TransportError as exc:
             return unreachable(exc)
-    emit(summary.to_json(), args.json, f"kcloak {label}")
+    obj = summary.to_json()
+    emit(obj, args.json, f"kcloak {label}")
+    explain(obj, args.json, fixes)
+    note = after(obj) if after is not None else None
+    if note is not None:
+        say(note)
     return 0

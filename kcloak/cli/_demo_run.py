@@ -57,16 +57,15 @@ from rich.table import Table
 
 from kcloak.broker.config import Config
 from kcloak.cli.demo import (
-    DEMO_MAX_AREA_SIDE_KM,
     DEMO_MAX_UPDATE_AGE_S,
     DEMO_MIN_TRAFFIC_SHARE,
     DEMO_PUBLISH_WINDOW_S,
     DEMO_QUERIES_PER_MIN,
     DEMO_QUERY_KIND,
     DEMO_TAIL_RESERVE_S,
-    DEMO_USERS_PER_KM2,
 )
 from kcloak.core.errors import KcloakError
+from kcloak.simulators.area import populated_area
 from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from kcloak.simulators.streets import StreetGraph, load_street_graph
 from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
@@ -74,9 +73,6 @@ from kcloak.simulators.transport import TransportError
 from kcloak.wire.net import free_port
 
 T = TypeVar("T")
-
-CITY_CENTRE: Final = (39.905, 116.39)
-"""Centre of the demo area (lat, lon): central Beijing, near Tiananmen."""
 
 LIVE_PERIOD_S: Final = 0.5
 PLAIN_PERIOD_S: Final = 10.0
@@ -192,6 +188,7 @@ class _Display:
             self.console.print(
                 f"      users are moving ({now - self._t_enter:.1f} s to place them and set their profiles)",
                 highlight=False,
+                soft_wrap=True,
             )
         elif self._started and now - self._last_plain >= PLAIN_PERIOD_S:
             self._last_plain = now
@@ -200,6 +197,7 @@ class _Display:
                 f"  {s['clock']:>4.0f} s  {s['users']} users  {s['rate']} updates/s  {s['queries']} queries  "
                 f"success {s['success']}  median area {s['area']}  p99 latency {s['p99']}",
                 highlight=False,
+                soft_wrap=True,
             )
 
     def _stats(self) -> dict[str, Any]:
@@ -317,14 +315,10 @@ def _requested_k() -> list[int]:
 def demo_area(users: int) -> tuple[float, float, float, float]:
     """A square around :data:`CITY_CENTRE` holding about :data:`DEMO_USERS_PER_KM2` users per km²,
     at most :data:`DEMO_MAX_AREA_SIDE_KM` wide (about the 3rd Ring Road) and at least 2 km:
-    ``(min_lon, min_lat, max_lon, max_lat)``. A fixed density keeps k = 20 reachable within the
-    default 4 km² ``max_area_m2`` whatever the number of users (CONCEPTS §9: success depends on density).
+    ``(min_lon, min_lat, max_lon, max_lat)``; ``kcloak simulate``'s default area too
+    (:func:`kcloak.simulators.area.populated_area`).
     """
-    side_km = min(DEMO_MAX_AREA_SIDE_KM, max(2.0, math.sqrt(users / DEMO_USERS_PER_KM2)))
-    half_lat = math.degrees(side_km * 500.0 / 6_371_008.8)
-    half_lon = half_lat / math.cos(math.radians(CITY_CENTRE[0]))
-    lat, lon = CITY_CENTRE
-    return (round(lon - half_lon, 6), round(lat - half_lat, 6), round(lon + half_lon, 6), round(lat + half_lat, 6))
+    return populated_area(users)
 
 
 def write_streets_geojson(streets: StreetGraph, path: Path) -> Path:
@@ -546,7 +540,7 @@ async def run_demo(
     the provider cannot start, :class:`TransportError` when the MQTT broker is unreachable.
     """
     err = console or Console(stderr=True)
-    tell = say or (lambda msg: err.print(msg, highlight=False))
+    tell = say or (lambda msg: err.print(msg, highlight=False, soft_wrap=True))
     stop = stop or asyncio.Event()
     t_start = time.monotonic() if started is None else started
     timings: dict[str, float] = {}
@@ -558,6 +552,13 @@ async def run_demo(
     with _sigint_stops(interrupt), tempfile.TemporaryDirectory(prefix="kcloak-demo-") as tmp:
         work = Path(tmp)
         streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
+        streets_task.add_done_callback(
+            lambda t: (
+                None
+                if t.cancelled() or t.exception() is not None
+                else tell(f"      streets of central Beijing loaded ({time.monotonic() - t_start:.1f} s)")
+            )
+        )
         try:
             async with ReferenceLbs(log_path=work / "lbs.log") as lbs:
                 # The live map draws the demo's streets, written once they are ready (the broker reads
@@ -572,7 +573,11 @@ async def run_demo(
                     streets=streets_file,
                 )
                 async with BrokerProcess(bcfg, workdir=work) as broker:
-                    await _first_of(broker.ready(), interrupt)
+                    tell(
+                        "      started the kcloak broker and the reference LBS (child processes), loading the "
+                        f"streets; waiting for them ({time.monotonic() - t_start:.1f} s)"
+                    )
+                    await _first_of(_waiting(broker.ready(), "the kcloak broker to start", tell, t_start), interrupt)
                     tell(
                         f"[1/4] kcloak broker: algorithm {cfg.algorithm}, embedded MQTT on "
                         f"127.0.0.1:{broker.mqtt_port}, HTTP on 127.0.0.1:{broker.http_port} "
@@ -580,12 +585,13 @@ async def run_demo(
                     )
                     tell(f"      live map: {broker.url}/map (while the demo runs)")
                     opener = asyncio.create_task(_open_browser(f"{broker.url}/map", tell)) if cfg.open_map else None
-                    streets = await _first_of(streets_task, interrupt)
-                    await asyncio.to_thread(write_streets_geojson, streets, streets_file)
-                    n_pois = await _first_of(lbs.ready(), interrupt)
+                    lbs_ready = _waiting(lbs.ready(), "the reference LBS to start", tell, t_start)
+                    n_pois = await _first_of(lbs_ready, interrupt)
                     tell(
                         f"[2/4] reference LBS: {n_pois} Beijing POIs on {lbs.url} ({time.monotonic() - t_start:.1f} s)"
                     )
+                    streets = await _waiting(asyncio.shield(streets_task), "the streets to load", tell, t_start)
+                    await asyncio.to_thread(write_streets_geojson, streets, streets_file)
                     km = float(streets.length_m.sum()) / 2000.0
                     side_km = (area[3] - area[1]) * math.pi / 180 * 6371.0088
                     timings["startup_s"] = time.monotonic() - t_start
@@ -595,6 +601,7 @@ async def run_demo(
                         f"per user per minute, profiles k = 5/10/20, until {cfg.duration_s:g} s "
                         f"({timings['startup_s']:.1f} s; Ctrl-C stops early)"
                     )
+                    tell(f"      setting {cfg.users:,} privacy profiles and placing the users on the streets")
                     sim = SimulationConfig(
                         users=cfg.users,
                         model="street",
@@ -672,6 +679,26 @@ async def run_demo(
     timings["report_s"] = time.monotonic() - t_report
     timings["total_s"] = time.monotonic() - t_start
     return DemoResult(summary=summary, files=files, timings_s=timings, interrupted=interrupt.is_set())
+
+
+WAIT_NOTE_S: Final = 5.0
+"""While a start-up step takes longer than this, a line says what the demo is still waiting for."""
+
+
+async def _waiting(work: Awaitable[T], what: str, tell: Callable[[str], None], t_start: float) -> T:
+    """Await ``work``, saying every :data:`WAIT_NOTE_S` seconds that the demo still waits for ``what``."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WAIT_NOTE_S)
+            if done:
+                return task.result()
+            tell(
+                f"      still waiting for {what} to start ({time.monotonic() - t_start:.0f} s; a busy machine is slow)"
+            )
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _first_of(work: Awaitable[T], interrupt: asyncio.Event) -> T:

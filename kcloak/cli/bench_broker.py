@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from kcloak.cli.main import SubParsers, UsageError
 
@@ -42,6 +43,24 @@ def add_parser(bench: SubParsers) -> None:
     p.set_defaults(func=run)
 
 
+def zero_query_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Why a transport's ``queries_per_s`` is 0: its queries were all refused, or none was answered at all."""
+    notes = []
+    for r in rows:
+        if r.get("queries_per_s"):
+            continue
+        refused = r.get("queries_refused_per_s") or 0
+        why = (
+            f"every query was refused ({refused:g}/s; the refusal codes are in the server's /metrics, "
+            'kcloak_queries_total{status="refused"})'
+            if refused
+            else "no query got any answer within the phase (the query clients sent nothing the broker answered: "
+            "a client that could not connect or subscribe, or answers lost)"
+        )
+        notes.append(f"kcloak bench broker: {r.get('transport')}: 0 queries answered ok per second: {why}")
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -62,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     )
     err = Console(stderr=True)
     report = run_broker_bench(cfg, log=lambda msg: err.print(f"[dim]phase:[/dim] {msg}"))
+    for note in zero_query_notes(report["results"]):
+        err.print(note, highlight=False)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
         return 0

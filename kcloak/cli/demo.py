@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kcloak.cli.main import SubParsers
 from kcloak.core.names import BROKER_ALGORITHMS
+from kcloak.simulators.area import MAX_SIDE_KM, USERS_PER_KM2
 
 # The broker's algorithms (kcloak.broker.config.ALGORITHMS is the same tuple); the demo itself is
 # imported when the command runs.
@@ -33,9 +34,9 @@ DEMO_PUBLISH_WINDOW_S = 20
 """Live trajectory-publication windows (shipped: 900 s), so that a one-minute run publishes some."""
 DEMO_MAX_UPDATE_AGE_S = 15.0
 """``cloaking.max_update_age_s`` (shipped: 120 s): a window closes this long after its end (§7)."""
-DEMO_USERS_PER_KM2 = 15.0
+DEMO_USERS_PER_KM2 = USERS_PER_KM2
 """User density of the demo area (a square around central Beijing sized for ``--users``)."""
-DEMO_MAX_AREA_SIDE_KM = 14.5
+DEMO_MAX_AREA_SIDE_KM = MAX_SIDE_KM
 """Largest demo area side: about the 3rd Ring Road."""
 DEMO_TAIL_RESERVE_S = 2.5
 """Users stop this long before the end of ``--duration``: time for the last answers and the report."""
@@ -143,6 +144,13 @@ def add_parser(subparsers: SubParsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = process_started()
+    print(
+        f"kcloak demo: starting ({time.monotonic() - started:.1f} s): loading kcloak, then the broker, the "
+        "reference LBS and the streets",
+        file=sys.stderr,
+        flush=True,
+    )
     from rich.console import Console
 
     from kcloak.cli._demo_run import DemoConfig, DemoStartupError, print_summary, run_demo
@@ -172,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import asyncio
 
-        result = asyncio.run(run_demo(cfg, live=live, console=err, started=process_started()))
+        result = asyncio.run(run_demo(cfg, live=live, console=err, started=started))
     except (DemoStartupError, TransportError) as exc:
         print(f"kcloak demo: error: {exc}", file=sys.stderr)
         return 1

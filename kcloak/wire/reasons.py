@@ -170,17 +170,20 @@ REASONS: tuple[Reason, ...] = (
         "fewer than k users are present at all; or a session's group has fewer than k present members",
         "200 answer",
         "answer",
-        "Not enough people are around right now: retry later, or lower `k` in the stored profile. A session "
-        "that ended must be started anew.",
+        "Not enough people are around right now (present = a fix in the last 60 s): retry later, or lower `k` "
+        "in the stored profile. A session that ended must be started anew.",
         answer=True,
     ),
     Reason(
         R.AREA_EXCEEDED,
-        "k users exist but no region with k users and at least `min_area_m2` fits within `max_area_m2`",
+        "k users are present, but no region holding k of them (and at least `min_area_m2`) fits within "
+        "`max_area_m2` (the users near the querier are too few); with `hilbert`, also when fewer users are "
+        "present than the largest k any present user stored (every user's group must be that large)",
         "200 answer",
         "answer",
-        "The k users are spread too widely: raise `max_area_m2` or lower `k` in the stored profile, or retry "
-        "when more users are near.",
+        "Too few users are near: retry when more are around, or raise `max_area_m2` or lower `k` in the stored "
+        "profile. A lone user (a first test) gets this or `k_unreachable` whatever its k: cloaking needs a "
+        "crowd, e.g. `kcloak simulate` running.",
         answer=True,
     ),
     Reason(

@@ -93,3 +93,17 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
             await asyncio.gather(answerer, return_exceptions=True)
     assert len(most) == 2
     assert all(QUERY_WINDOW // 2 <= n <= QUERY_WINDOW for n in most.values()), most
+
+
+def test_a_zero_query_rate_is_explained() -> None:
+    """A transport with 0 queries answered ok per second gets a line saying why, from the row's own numbers."""
+    from kcloak.cli.bench_broker import zero_query_notes
+
+    rows = [
+        {"transport": "mqtt", "queries_per_s": 0.0, "queries_refused_per_s": 812.5},
+        {"transport": "http", "queries_per_s": 0.0, "queries_refused_per_s": 0.0},
+        {"transport": "http", "queries_per_s": 950.0, "queries_refused_per_s": 3.0},
+    ]
+    mqtt, http = zero_query_notes(rows)
+    assert mqtt.startswith("kcloak bench broker: mqtt: 0 queries answered ok") and "refused (812.5/s" in mqtt
+    assert http.startswith("kcloak bench broker: http: 0 queries answered ok") and "no query got any answer" in http

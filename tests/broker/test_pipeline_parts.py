@@ -41,6 +41,12 @@ from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 PROFILE = PrivacyProfile(k=5, max_area_m2=2.5e9, max_delay_s=5.0)
 
 
+STALE = (
+    "no recent fix from you (present = a fix within the presence window, 60 s shipped): send a fix first, "
+    "or put lat, lon and t in the query"
+)
+
+
 def metrics() -> Metrics:
     return Metrics(version="test", algorithm="test")
 
@@ -123,7 +129,7 @@ async def test_snapshot_cloaking_runs_on_positions_filled_directly() -> None:
         lon0, lat0, lon1, lat1 = cloaked.region.bbox.to_geojson()
         assert lon0 < lon < lon1 and lat0 < lat < lat1
         assert cloaked.region.k_achieved >= PROFILE.k
-    assert gone == Refusal(ReasonCode.STALE_POSITION, "no present position for this user")
+    assert gone == Refusal(ReasonCode.STALE_POSITION, STALE)
 
 
 async def test_held_cloaking_releases_a_clique_from_positions_filled_directly() -> None:

@@ -9,12 +9,15 @@ a rate equal to 1/k over the number of trials, minus 1/k) for "the defence holds
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from kcloak.cli.main import main
 from kcloak.cloaking.attacks import (
@@ -256,3 +259,47 @@ def test_real_tdrive_snapshots_nn_breaks_hilbert_holds(capsys: pytest.CaptureFix
     assert hb["success_rate"] <= hb["baseline"] + hb["tolerance"]
     s = rows[("hilbert", "query_tracking_session")]
     assert s["success_rate"] <= s["baseline"] + s["tolerance"]
+
+
+def test_cli_off_a_terminal_prints_progress_and_verdicts_that_match_the_numbers(tmp_path: Path) -> None:
+    """Run as a user would with stderr piped (no terminal): progress lines on stderr as each phase starts and
+    ends; each printed verdict is the one the printed numbers give; the pictures carry a title."""
+    cmd = [sys.executable, "-I", "-m", "kcloak", "audit", "cloaking", "--users", "300", "--snapshots", "2"]
+    cmd += ["--queries", "60", "--k", "10", "--algorithms", "nn,hilbert", "--seed", "3", "--report", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.splitlines()
+    assert err[0] == "kcloak audit cloaking: building 2 snapshots (seed 3)", proc.stderr
+    for i, algorithm in enumerate(("nn", "hilbert"), start=1):
+        assert f"{algorithm} k=10 ({i}/2): started (9 steps)" in err, proc.stderr
+        assert any(line.startswith(f"{algorithm} k=10 ({i}/2): done in ") for line in err), proc.stderr
+    seen = 0
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) != 8 or cells[0] not in ("nn", "hilbert"):
+            continue
+        rate, baseline, tolerance = float(cells[3]), float(cells[4]), float(cells[5])
+        verdict = cells[7]
+        if rate <= baseline:
+            assert verdict == "≤ 1/k", line
+        elif rate <= baseline + tolerance:
+            assert verdict == "> 1/k, within tolerance", line
+        else:
+            assert verdict == "> 1/k + tolerance", line
+        seen += 1
+    assert seen == 2 * 7, proc.stdout
+    for name in ("attack_success.png", "frontier.png"):
+        with Image.open(tmp_path / name) as img:
+            grey = np.asarray(img.convert("L"))
+        band = grey[: grey.shape[0] // 16]  # the title band above the panels
+        assert (band < 128).sum() > 500, f"{name}: no title"
+
+
+def test_verdict_of_a_rate_between_1_over_k_and_the_tolerance() -> None:
+    """0.128 against 1/k = 0.100 is not "≤ 1/k": it is above 1/k, within the sampling tolerance."""
+    from kcloak.cli.audit import cloaking_verdict
+
+    assert cloaking_verdict(0.128, 0.100, 0.102) == "> 1/k, within tolerance"
+    assert cloaking_verdict(0.100, 0.100, 0.102) == "≤ 1/k"
+    assert "> 1/k + tolerance" in cloaking_verdict(0.203, 0.100, 0.102)
+    assert cloaking_verdict(None, 0.1, None) == "—"

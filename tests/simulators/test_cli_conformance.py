@@ -145,6 +145,23 @@ def test_every_flag_help_names_its_default(path: tuple[str, ...]) -> None:
     assert "Exit codes" in page
 
 
+@pytest.mark.parametrize(
+    "flags", [["--area", "-3"], ["--area", "big"], ["--bbox", "116.5,39.9,116.4,40.0"], ["--bbox", "1,2,3"]]
+)
+def test_simulate_bad_area_is_exit_2_before_any_traffic(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens there: the flags are refused before the broker probe
+    assert _run_main(["simulate", "--broker", f"mqtt://127.0.0.1:{port}", *flags]) == 2
+    err = capsys.readouterr().err
+    assert flags[0] in err and "error" in err
+
+
+def test_replay_needs_input_or_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_main(["replay"]) == 2
+    assert "INPUT" in capsys.readouterr().err
+    assert _run_main(["replay", "x.csv", "--sample"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
 def test_unknown_flag_shows_the_command_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run_main(["simulate", "--bogus"]) == 2
     err = capsys.readouterr().err

@@ -121,6 +121,22 @@ def test_demo_runs_from_a_folder_whose_files_shadow_package_names(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "was imported" not in proc.stderr
+    # Each start-up step is shown as it happens, in order, each line with the seconds since the start.
+    steps = [
+        "kcloak demo: starting",
+        "started the kcloak broker",
+        "[1/4] kcloak broker",
+        "[2/4] reference LBS",
+        "[3/4] 50 users",
+        "setting 50 privacy profiles",
+        "users are moving",
+        "[4/4] writing the report",
+    ]
+    lines = proc.stderr.splitlines()
+    at = [next((i for i, line in enumerate(lines) if line.lstrip().startswith(step)), -1) for step in steps]
+    assert -1 not in at and at == sorted(at), proc.stderr
+    seconds = [float(re.findall(r"\(([\d.]+) s", lines[i])[0]) for i in at[:5]]
+    assert seconds == sorted(seconds), proc.stderr
     assert "kcloak demo summary" in proc.stdout
     s = json.loads((report / "summary.json").read_text())
     assert s["users"] == 50 and s["updates"] > 0

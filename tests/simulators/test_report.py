@@ -239,3 +239,23 @@ def test_summary_invariants(items: list[tuple[str, int, float, float]], lost: in
     else:
         assert s["achieved_k_mean"] is None and s["cloak_area_m2_median"] is None
     json.dumps(s, allow_nan=False)
+
+
+def _line_colours(path: Path) -> set[tuple[int, int, int]]:
+    """Saturated colours drawn on a picture (quantized to 8 levels a channel, at least 60 pixels each)."""
+    with Image.open(path) as img:
+        rgb = np.asarray(img.convert("RGB")).astype(np.int32)
+    flat = rgb.reshape(-1, 3)
+    saturated = flat[(flat.max(axis=1) - flat.min(axis=1)) > 40] // 32
+    colours, counts = np.unique(saturated, axis=0, return_counts=True)
+    return {(int(c[0]), int(c[1]), int(c[2])) for c, n in zip(colours, counts, strict=True) if n >= 60}
+
+
+def test_achieved_k_marks_each_requested_k_in_its_own_colour(tmp_path: Path) -> None:
+    """The requested k = 5/10/20 lines are told apart: three requested k add three colours, not one."""
+    from kcloak.simulators.report import plot_achieved_k
+
+    ks = [5] * 30 + [9] * 40 + [14] * 30 + [22] * 20
+    plot_achieved_k(tmp_path / "one.png", ks, requested_k=(5,))
+    plot_achieved_k(tmp_path / "three.png", ks, requested_k=(5, 10, 20))
+    assert len(_line_colours(tmp_path / "three.png")) >= len(_line_colours(tmp_path / "one.png")) + 2
