@@ -103,6 +103,8 @@ class CurveStep:
     hv: I64
     lon_key: I64
     lat_key: I64
+    sorted_lon_key: I64
+    sorted_lat_key: I64
     delta: ViewDelta
 
 
@@ -113,6 +115,8 @@ class ViewCurve:
 
     rows: I64
     hv: I64
+    lon_key: I64
+    lat_key: I64
     delta: ViewDelta
 
 
@@ -140,6 +144,8 @@ class CurveOrder:
         self._hv: I64 = np.zeros(0, np.int64)
         self._rows: I64 = np.zeros(0, np.int64)
         self._hv_sorted: I64 = np.zeros(0, np.int64)
+        self._lk_sorted: I64 = np.zeros(0, np.int64)
+        self._tk_sorted: I64 = np.zeros(0, np.int64)
 
     @property
     def nbytes(self) -> int:
@@ -199,19 +205,30 @@ class CurveOrder:
             if m == 0 or len(changed) * self.REBUILD_FRACTION > n:
                 rows = np.argsort(self._hv[:n], kind="stable").astype(np.int64)
                 self._rows, self._hv_sorted = rows, self._hv[rows]
+                self._lk_sorted, self._tk_sorted = self.lon_key[rows], self.lat_key[rows]
             else:
                 keep = ~is_moved[self._rows]
-                base_rows, base_hv = self._rows[keep], self._hv_sorted[keep]
+                base_hv = self._hv_sorted[keep]
                 o = np.argsort(hv, kind="stable")
                 at = np.searchsorted(base_hv, hv[o])
-                self._rows = np.insert(base_rows, at, changed[o])
+                self._rows = np.insert(self._rows[keep], at, changed[o])
                 self._hv_sorted = np.insert(base_hv, at, hv[o])
+                self._lk_sorted = np.insert(self._lk_sorted[keep], at, lk[o])
+                self._tk_sorted = np.insert(self._tk_sorted[keep], at, tk[o])
         self._n = n
         self._present[:n] = present
         self.seq += 1
         delta = ViewDelta(self.source, self.seq, removed_lon, removed_lat, self.lon_key[entered], self.lat_key[entered])
         p = present[self._rows]
-        return CurveStep(self._rows[p], self._hv_sorted[p], self.lon_key[:n], self.lat_key[:n], delta)
+        return CurveStep(
+            self._rows[p],
+            self._hv_sorted[p],
+            self.lon_key[:n],
+            self.lat_key[:n],
+            self._lk_sorted[p],
+            self._tk_sorted[p],
+            delta,
+        )
 
 
 __all__ = ["CurveOrder", "CurveStep", "ViewCurve", "ViewDelta", "hilbert_indices"]

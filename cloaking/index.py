@@ -233,9 +233,9 @@ class PositionIndex:
         view.__dict__["lon_key"] = lon_key
         view.__dict__["lat_key"] = lat_key
         curve_rows = view_of[step.rows].astype(np.int64)
-        curve_rows.setflags(write=False)
-        step.hv.setflags(write=False)
-        view.curve = ViewCurve(curve_rows, step.hv, step.delta)
+        for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
+            a.setflags(write=False)
+        view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.delta)
         return view
 
     @property

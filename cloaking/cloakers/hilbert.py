@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -115,20 +115,24 @@ def hilbert_sort(hv: I64, tie: U64) -> I64:
     return order
 
 
-def order_ties(rows: I64, hv_sorted: I64, salt: U64, seed: int) -> I64:
-    """Rows already ordered by Hilbert value (equal values in any order) put in :func:`hilbert_sort`'s
-    order with ``tie_keys(salt, seed)``: runs of equal values by ``(tie, row)``. Only the tied runs
-    are sorted, and only their tie keys computed."""
-    out = np.array(rows, dtype=np.int64)
+def order_ties(rows: I64, hv_sorted: I64, salt: U64, seed: int) -> I64 | None:
+    """How to put rows already ordered by Hilbert value (equal values in any order) in
+    :func:`hilbert_sort`'s order with ``tie_keys(salt, seed)``: runs of equal values by ``(tie, row)``.
+
+    Returns the permutation of positions (``rows[perm]`` is that order), or None when no value
+    repeats. Only the tied runs are sorted, and only their tie keys computed.
+    """
     eq = hv_sorted[1:] == hv_sorted[:-1]
-    if eq.any():
-        tied = np.zeros(len(out), bool)
-        tied[1:] |= eq
-        tied[:-1] |= eq
-        pos = np.flatnonzero(tied)
-        sub = out[pos]
-        out[pos] = sub[np.lexsort((sub, tie_keys(salt[sub], seed), hv_sorted[pos]))]
-    return out
+    if not eq.any():
+        return None
+    tied = np.zeros(len(rows), bool)
+    tied[1:] |= eq
+    tied[:-1] |= eq
+    pos = np.flatnonzero(tied)
+    sub = rows[pos]
+    perm = np.arange(len(rows), dtype=np.int64)
+    perm[pos] = pos[np.lexsort((sub, tie_keys(salt[sub], seed), hv_sorted[pos]))]
+    return perm
 
 
 def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
@@ -182,13 +186,15 @@ def _bucket_ends(k: I64, kmax: int) -> I64:
     if len(levels) > _DENSE_LEVELS:
         return _bucket_ends_sparse(k, kmax)
     n = len(k)
+    if kmax < 1 << 15:  # a quarter of the memory traffic
+        k = k.astype(np.int16)
     doubling = [k]  # doubling[p][i] = max(k[i : i + 2^p]) (windows cut at n)
     while (1 << len(doubling)) <= kmax:
         prev, half = doubling[-1], min(1 << (len(doubling) - 1), n)
         cur = prev.copy()
         np.maximum(prev[: n - half], prev[half:], out=cur[: n - half])
         doubling.append(cur)
-    window: dict[int, I64] = {}
+    window: dict[int, npt.NDArray[np.integer[Any]]] = {}
     for v in levels.tolist():
         p = v.bit_length() - 1
         w = doubling[p].copy()
@@ -200,9 +206,10 @@ def _bucket_ends(k: I64, kmax: int) -> I64:
     for v in levels.tolist():
         at = length == v
         length[at] = window[v][at]
-    length += np.arange(n, dtype=np.int64)
-    length[length > n] = n + 1
-    return length
+    ends = np.arange(n, dtype=np.int64)
+    ends += length
+    ends[ends > n] = n + 1
+    return ends
 
 
 def _bucket_ends_sparse(k: I64, kmax: int) -> I64:
@@ -410,18 +417,25 @@ def _box_hashes(boxes: I64, amin: F64) -> U64:
     return out
 
 
-def points_in_boxes(boxes: I64, lon_key: I64, lat_key: I64) -> I64:
-    """Number of the given points (exact keys) strictly inside each ``(m, 4)`` micro-degree box
-    (on the world edge too, as :meth:`IndexView.count_in_many` counts)."""
-    m = len(boxes)
-    if m == 0 or len(lon_key) == 0:
-        return np.zeros(m, np.int64)
+def key_boxes(boxes: I64) -> npt.NDArray[np.object_]:
+    """Shapely boxes over the exact keys strictly inside ``(m, 4)`` micro-degree boxes (on the world
+    edge too, as :meth:`IndexView.count_in_many` counts); None for a box that can hold no point."""
     kb = key_bounds_array(boxes)
-    geoms = shapely.box(kb[:, 0], kb[:, 1], kb[:, 2], kb[:, 3])
+    geoms: npt.NDArray[np.object_] = shapely.box(kb[:, 0], kb[:, 1], kb[:, 2], kb[:, 3])
     geoms[(kb[:, 2] < kb[:, 0]) | (kb[:, 3] < kb[:, 1])] = None
-    tree = shapely.STRtree(geoms)
-    pairs = tree.query(shapely.points(lon_key.astype(np.float64), lat_key.astype(np.float64)))
-    out: I64 = np.bincount(pairs[1], minlength=m).astype(np.int64)
+    return geoms
+
+
+def count_change(geoms: npt.NDArray[np.object_], delta: ViewDelta) -> I64:
+    """Points that entered minus points that left each of :func:`key_boxes`' boxes."""
+    m = len(geoms)
+    lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key]).astype(np.float64)
+    lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key]).astype(np.float64)
+    if m == 0 or len(lon) == 0:
+        return np.zeros(m, np.int64)
+    point, box = shapely.STRtree(geoms).query(shapely.points(lon, lat))
+    sign = np.where(point < len(delta.added_lon_key), 1, -1)
+    out: I64 = np.bincount(box, weights=sign, minlength=m).astype(np.int64)
     return out
 
 
@@ -433,7 +447,7 @@ class _Carry:
     :class:`~kcloak.cloaking.curve.ViewDelta` between the two views).
     """
 
-    __slots__ = ("amin", "area", "bbox", "k_achieved", "mbr", "seq", "sized", "source")
+    __slots__ = ("amin", "area", "bbox", "geoms", "k_achieved", "mbr", "seq", "sized", "source")
 
     def __init__(self, st: _HilbertState, source: int, seq: int) -> None:
         # The state's own per-bucket arrays (not the view): boxes grown and counted lazily after
@@ -446,6 +460,7 @@ class _Carry:
         self.area = st.area
         self.sized = st.sized
         self.k_achieved = st.k_achieved
+        self.geoms = st.geoms
 
     def follows(self, delta: ViewDelta) -> bool:
         """True when ``delta`` leads from this carry's view to the next one."""
@@ -469,10 +484,16 @@ class _Carry:
         st.sized[new] = self.sized[old]
         k = self.k_achieved[old]
         counted = k >= 0
-        if len(delta) and counted.any():
-            boxes = st.bbox[new[counted]]
-            k[counted] += points_in_boxes(boxes, delta.added_lon_key, delta.added_lat_key)
-            k[counted] -= points_in_boxes(boxes, delta.removed_lon_key, delta.removed_lat_key)
+        if counted.any():
+            # A counted box is final (sized): its shapely box is made once and carried along.
+            was = old[counted]
+            geoms = self.geoms[was]
+            missing = np.flatnonzero(shapely.is_missing(geoms))
+            if len(missing):
+                geoms[missing] = key_boxes(self.bbox[was[missing]])
+            st.geoms[new[counted]] = geoms
+            if len(delta):
+                k[counted] += count_change(geoms, delta)
         st.k_achieved[new] = k
         out: npt.NDArray[np.bool_] = hit
         return out
@@ -498,18 +519,23 @@ class _HilbertState:
         curve = view.curve if order == GRID_BITS and view_rows is None else None
         if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
             hv_sorted = curve.hv
-            rows = order_ties(curve.rows, hv_sorted, view.salt, view.seed)
+            perm = order_ties(curve.rows, hv_sorted, view.salt, view.seed)
+            if perm is None:
+                rows, lon_key_sorted, lat_key_sorted = curve.rows, curve.lon_key, curve.lat_key
+            else:
+                rows, lon_key_sorted, lat_key_sorted = curve.rows[perm], curve.lon_key[perm], curve.lat_key[perm]
         else:
             shift = GRID_BITS - order
             hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
             rows = hilbert_sort(hv, tie_keys(view.salt, view.seed)).astype(np.int64)
             hv_sorted = hv[rows]
+            lon_key_sorted, lat_key_sorted = view.lon_key[rows], view.lat_key[rows]
         rows.setflags(write=False)
         self.order = order
         self.rows = rows
         self.hv_sorted = hv_sorted
-        self.lon_key_sorted = view.lon_key[rows]
-        self.lat_key_sorted = view.lat_key[rows]
+        self.lon_key_sorted = lon_key_sorted
+        self.lat_key_sorted = lat_key_sorted
         bounds = partition_buckets(view.k[rows])
         self.bounds = bounds
         nb = len(bounds) - 1
@@ -548,6 +574,8 @@ class _HilbertState:
         self.area = np.zeros(nb)
         self.sized = np.zeros(nb, bool)
         self.k_achieved = np.full(nb, _UNCOUNTED, np.int64)
+        self.geoms: npt.NDArray[np.object_] = np.full(nb, None, object)
+        """Shapely box of each counted bucket's final box, made when the next view carries it."""
         fresh = np.ones(nb, bool)
         delta = curve.delta if curve is not None else None
         if carry is not None and delta is not None and carry.follows(delta) and nb:
@@ -966,14 +994,15 @@ __all__ = [
     "bbox_areas_m2",
     "bboxes_around_keys",
     "cell_view",
+    "count_change",
     "cover_counts",
     "group_extents",
     "hilbert_index",
     "hilbert_indices",
     "hilbert_sort",
+    "key_boxes",
     "order_ties",
     "partition_buckets",
-    "points_in_boxes",
     "super_bucket_levels",
     "tie_keys",
 ]
