@@ -238,6 +238,26 @@ class PositionIndex:
         view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.delta)
         return view
 
+    def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
+        """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
+        own user list and map (the reference incremental views are measured and checked against)."""
+        n = len(self._ids)
+        rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
+        ids = self._ids
+        return IndexView(
+            user_ids=[ids[r] for r in rows.tolist()],
+            lat=self._lat[rows],
+            lon=self._lon[rows],
+            t=self._t[rows],
+            k=self._k[rows].astype(np.int64),
+            min_area_m2=self._min_area[rows],
+            max_area_m2=self._max_area[rows],
+            salt=self._salt[rows],
+            now=now,
+            epoch=epoch,
+            seed=seed,
+        )
+
     @property
     def curve_nbytes(self) -> int:
         """Bytes held by the Hilbert order kept between views."""

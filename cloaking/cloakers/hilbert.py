@@ -832,6 +832,8 @@ class HilbertCloak:
     supports_l: ClassVar[bool] = False
     cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
     vectorized: ClassVar[bool] = True
+    incremental_views: ClassVar[bool] = True
+    """A view of a :class:`PositionIndex` takes over the previous view's buckets where unchanged."""
 
     def __init__(self, *, order: int = GRID_BITS, cells: CellMap | None = None) -> None:
         if not 1 <= order <= GRID_BITS:
