@@ -14,6 +14,7 @@ and put in the view's salted tie order by the cloaker (that order changes with e
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,19 @@ class ViewDelta:
     def __len__(self) -> int:
         return len(self.removed_lon_key) + len(self.added_lon_key)
 
+    @classmethod
+    def chain(cls, steps: list[ViewDelta]) -> ViewDelta:
+        """One delta for consecutive steps (points are a multiset: each step's leavers were present)."""
+        last = steps[-1]
+        return cls(
+            last.source,
+            last.seq,
+            np.concatenate([d.removed_lon_key for d in steps]),
+            np.concatenate([d.removed_lat_key for d in steps]),
+            np.concatenate([d.added_lon_key for d in steps]),
+            np.concatenate([d.added_lat_key for d in steps]),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class CurveStep:
@@ -105,7 +119,7 @@ class CurveStep:
     lat_key: I64
     sorted_lon_key: I64
     sorted_lat_key: I64
-    delta: ViewDelta
+    recent: tuple[ViewDelta, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +131,23 @@ class ViewCurve:
     hv: I64
     lon_key: I64
     lat_key: I64
-    delta: ViewDelta
+    recent: tuple[ViewDelta, ...]
+
+    @property
+    def seq(self) -> int:
+        """This view's snapshot number."""
+        return self.recent[-1].seq
+
+    @property
+    def source(self) -> int:
+        return self.recent[-1].source
+
+    def delta_since(self, source: int, seq: int) -> ViewDelta | None:
+        """The change from snapshot ``seq`` of ``source`` to this view, if the recent steps reach it."""
+        steps = [d for d in self.recent if d.seq > seq]
+        if source != self.source or not steps or steps[0].seq != seq + 1:
+            return None
+        return steps[0] if len(steps) == 1 else ViewDelta.chain(steps)
 
 
 class CurveOrder:
@@ -130,6 +160,9 @@ class CurveOrder:
     """
 
     REBUILD_FRACTION = 8
+    KEEP_DELTAS = 8
+    """Deltas of this many recent snapshots go with each view, so that a cloaker can carry its state
+    over snapshots it did not see (a presence count, another cloaker)."""
 
     def __init__(self) -> None:
         self.source = secrets.randbits(62)
@@ -146,6 +179,7 @@ class CurveOrder:
         self._hv_sorted: I64 = np.zeros(0, np.int64)
         self._lk_sorted: I64 = np.zeros(0, np.int64)
         self._tk_sorted: I64 = np.zeros(0, np.int64)
+        self._recent: deque[ViewDelta] = deque(maxlen=self.KEEP_DELTAS)
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +253,7 @@ class CurveOrder:
         self._present[:n] = present
         self.seq += 1
         delta = ViewDelta(self.source, self.seq, removed_lon, removed_lat, self.lon_key[entered], self.lat_key[entered])
+        self._recent.append(delta)
         p = present[self._rows]
         return CurveStep(
             self._rows[p],
@@ -227,7 +262,7 @@ class CurveOrder:
             self.lat_key[:n],
             self._lk_sorted[p],
             self._tk_sorted[p],
-            delta,
+            tuple(self._recent),
         )
 
 

@@ -73,6 +73,7 @@ class PositionIndex:
         self._alloc(max(capacity, 16))
         self._rng = np.random.default_rng(secrets.randbits(64))
         self._removals = 0
+        self._ids_shared = False  # a view reads self._ids: copy it before changing a row's user
         self._curve = CurveOrder()
 
     def _alloc(self, capacity: int) -> None:
@@ -120,6 +121,7 @@ class PositionIndex:
     def _new_row(self, user: str) -> int:
         if self._free:
             row = self._free.pop()
+            self._own_ids()
             self._ids[row] = user
         else:
             row = len(self._ids)
@@ -133,6 +135,12 @@ class PositionIndex:
         self._min_area[row] = self.default_profile.min_area_m2
         self._max_area[row] = self.default_profile.max_area_m2
         return row
+
+    def _own_ids(self) -> None:
+        """Copy the row → user list before changing an entry, if a view reads it (copy on write)."""
+        if self._ids_shared:
+            self._ids = list(self._ids)
+            self._ids_shared = False
 
     def update(self, user: str, lat: float, lon: float, t: float) -> None:
         """Set the latest fix of ``user`` (adds the user if new). O(1)."""
@@ -173,6 +181,7 @@ class PositionIndex:
         row = self._row.pop(user, None)
         if row is None:
             return
+        self._own_ids()
         self._ids[row] = ""
         self._removals += 1
         self._alive[row] = False
@@ -211,6 +220,7 @@ class PositionIndex:
         present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
         rows = np.flatnonzero(present)
         step = self._curve.advance(self._lat[:n], self._lon[:n], present)
+        self._ids_shared = True
         view_of = np.full(n, -1, np.int32)
         view_of[rows] = np.arange(len(rows), dtype=np.int32)
         view = IndexView(
@@ -225,7 +235,7 @@ class PositionIndex:
             now=now,
             epoch=epoch,
             seed=seed,
-            lookup=_IndexLookup(self, list(self._ids), rows, view_of),
+            lookup=_IndexLookup(self, self._ids, rows, view_of),
         )
         lon_key, lat_key = step.lon_key[rows], step.lat_key[rows]
         lon_key.setflags(write=False)
@@ -235,7 +245,7 @@ class PositionIndex:
         curve_rows = view_of[step.rows].astype(np.int64)
         for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
             a.setflags(write=False)
-        view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.delta)
+        view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
         return view
 
     def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
@@ -267,7 +277,8 @@ class PositionIndex:
 class _IndexLookup:
     """How a view taken from a :class:`PositionIndex` finds a user's row without a dict of its own.
 
-    ``ids`` is a copy of the index's row → user list at the snapshot, ``rows`` the view's index
+    ``ids`` is the index's row → user list at the snapshot (the index copies it before changing a
+    row's user, so the view's stays as it was), ``rows`` the view's index
     rows, ``view_of`` index row → view row (−1: not in the view). The index's own user → row map
     answers for as long as no user was removed from the index (rows are only reused after a
     removal); after one, the view builds its own map.

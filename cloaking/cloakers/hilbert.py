@@ -462,10 +462,6 @@ class _Carry:
         self.k_achieved = st.k_achieved
         self.geoms = st.geoms
 
-    def follows(self, delta: ViewDelta) -> bool:
-        """True when ``delta`` leads from this carry's view to the next one."""
-        return delta.source == self.source and delta.seq == self.seq + 1
-
     def apply(self, st: _HilbertState, delta: ViewDelta) -> npt.NDArray[np.bool_]:
         """Fill ``st``'s buckets that match one of this view's; returns which did."""
         if len(self.mbr) == 0:
@@ -577,8 +573,8 @@ class _HilbertState:
         self.geoms: npt.NDArray[np.object_] = np.full(nb, None, object)
         """Shapely box of each counted bucket's final box, made when the next view carries it."""
         fresh = np.ones(nb, bool)
-        delta = curve.delta if curve is not None else None
-        if carry is not None and delta is not None and carry.follows(delta) and nb:
+        delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
+        if carry is not None and delta is not None and nb:
             fresh = ~carry.apply(self, delta)
         self.carried = nb - int(np.count_nonzero(fresh))
         """Buckets whose box, area and count were taken over from the previous view."""
@@ -605,7 +601,7 @@ class _HilbertState:
         curve = self.view.curve
         if curve is None or self.view_rows is not None or self.order != GRID_BITS:
             return None
-        return _Carry(self, curve.delta.source, curve.delta.seq)
+        return _Carry(self, curve.source, curve.seq)
 
     def cover_counts(self, boxes: I64) -> I64:
         """:func:`cover_counts` on this view's sorted users; ``-1`` where the cover is crowded."""

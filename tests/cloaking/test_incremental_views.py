@@ -64,7 +64,7 @@ def scenarios(draw: Any) -> tuple[int, list[tuple[Any, ...]], list[list[tuple[An
     for _ in range(draw(st.integers(1, 5))):
         ops: list[tuple[Any, ...]] = []
         for _ in range(draw(st.integers(0, 25))):
-            kind = draw(st.sampled_from(["move", "move", "move", "stay", "leave", "arrive", "profile", "age"]))
+            kind = draw(st.sampled_from(["move", "move", "move", "stay", "leave", "arrive", "profile", "age", "peek"]))
             if kind == "arrive":
                 ops.append(("arrive", f"u{next_id}", *grid_point(draw, decimals), draw(st.integers(0, 15))))
                 next_id += 1
@@ -172,6 +172,8 @@ def check_against_views_from_nothing(scenario: Scenario) -> None:
                 truth.profiles[u] = PROFILES[op[2]]
             elif kind == "age":  # time passes: users whose fix grows stale drop out
                 now += 25.0
+            elif kind == "peek":  # a view nobody cloaks on (a presence count): the next one spans two steps
+                index.snapshot(now)
         if previous is not None:  # an earlier view answers as it did, whatever the index did since
             old, rows = previous
             assert {u: old.row(u) for u in rows} == rows
