@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.bench_views import VIEW_BATCHES, VIEW_ROUNDS, ViewsConfig, measure_views
+from kcloak.cloaking.bench_views import VIEW_ROUNDS, ViewsConfig, measure_views
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
 from kcloak.cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
 from kcloak.cloaking.index import IndexView, PositionIndex
@@ -474,8 +474,9 @@ class CloakBenchConfig:
     time_limit_s: float = 300.0
     clique_queries_per_user_min: float = CLIQUE_QUERIES_PER_USER_MIN
     k_spread: float = DEFAULT_K_SPREAD
-    view_batches: tuple[int, ...] = VIEW_BATCHES
-    """Moved users per batch in the ``views`` section (empty: no section)."""
+    view_batches: tuple[int, ...] = ()
+    """Moved users per batch in the ``views`` section (empty, the default here: no section; the
+    command line's default is :data:`~kcloak.cloaking.bench_views.VIEW_BATCHES`)."""
     view_rounds: int = VIEW_ROUNDS
 
 
@@ -623,7 +624,7 @@ def run_cloak_bench(pop: Population, config: CloakBenchConfig, *, progress: Prog
             pop.lon,
             work.profiles,
             pop.now,
-            tuple(name for name, cls in classes.items() if not isinstance(cls, str)),
+            tuple(r.algorithm for r in rows if "error" not in r.extra),
             ViewsConfig(config.view_batches, config.view_rounds, config.seed),
             progress=prog,
         )

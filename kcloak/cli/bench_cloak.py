@@ -311,6 +311,9 @@ def print_views(v: dict[str, Any], out: Console) -> None:
         return f"{s['median']:,.0f} [{s['min']:,.0f}–{s['max']:,.0f}]"
 
     for r in v["results"]:
+        if r.get("error"):
+            table.add_row(r["algorithm"], "", "[red]error[/red]")
+            continue
         name = r["algorithm"] + ("" if r["incremental_state"] else " (view only)")
         for i, b in enumerate(r["batches"]):
             first = i == 0
