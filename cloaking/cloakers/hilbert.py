@@ -426,6 +426,37 @@ def key_boxes(boxes: I64) -> npt.NDArray[np.object_]:
     return geoms
 
 
+SMALL_CHANGE_LIMIT = 1 << 22
+"""Up to this many (box, point) candidates, :func:`count_change_sorted` counts a view's change
+without shapely boxes; above, :func:`count_change` does with an STR-tree."""
+
+
+def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
+    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by longitude key:
+    each box's candidates are one slice, tested on latitude. None when there are more than
+    ``limit`` candidates (a large change)."""
+    m = len(boxes)
+    n_added = len(delta.added_lon_key)
+    lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key])
+    if m == 0 or len(lon) == 0:
+        return np.zeros(m, np.int64)
+    lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key])
+    order = np.argsort(lon, kind="stable")
+    lon, lat = lon[order], lat[order]
+    sign = np.where(order < n_added, 1, -1)
+    kb = key_bounds_array(boxes)
+    lo = np.searchsorted(lon, kb[:, 0], "left")
+    length = np.maximum(np.searchsorted(lon, kb[:, 2], "right") - lo, 0)
+    total = int(length.sum())
+    if total > limit:
+        return None
+    box = np.repeat(np.arange(m), length)
+    at = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(total)
+    inside = (lat[at] >= kb[box, 1]) & (lat[at] <= kb[box, 3])
+    out: I64 = np.bincount(box[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
+    return out
+
+
 def count_change(geoms: npt.NDArray[np.object_], delta: ViewDelta) -> I64:
     """Points that entered minus points that left each of :func:`key_boxes`' boxes."""
     m = len(geoms)
@@ -481,15 +512,18 @@ class _Carry:
         k = self.k_achieved[old]
         counted = k >= 0
         if counted.any():
-            # A counted box is final (sized): its shapely box is made once and carried along.
+            # A counted box is final (sized): its shapely box, once made, is carried along.
             was = old[counted]
             geoms = self.geoms[was]
-            missing = np.flatnonzero(shapely.is_missing(geoms))
-            if len(missing):
-                geoms[missing] = key_boxes(self.bbox[was[missing]])
+            change = count_change_sorted(self.bbox[was], delta, SMALL_CHANGE_LIMIT) if len(delta) else None
+            if change is None and len(delta):
+                missing = np.flatnonzero(shapely.is_missing(geoms))
+                if len(missing):
+                    geoms[missing] = key_boxes(self.bbox[was[missing]])
+                change = count_change(geoms, delta)
             st.geoms[new[counted]] = geoms
-            if len(delta):
-                k[counted] += count_change(geoms, delta)
+            if change is not None:
+                k[counted] += change
         st.k_achieved[new] = k
         out: npt.NDArray[np.bool_] = hit
         return out
@@ -993,6 +1027,7 @@ __all__ = [
     "bboxes_around_keys",
     "cell_view",
     "count_change",
+    "count_change_sorted",
     "cover_counts",
     "group_extents",
     "hilbert_index",

@@ -17,8 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kcloak.cloaking.cloakers import hilbert
 from kcloak.cloaking.cloakers.base import Refusal, Region
 from kcloak.cloaking.cloakers.hilbert import HilbertCloak, _bucket_ends
+from kcloak.cloaking.curve import ViewDelta
 from kcloak.cloaking.index import IndexView, PositionIndex
 from kcloak.core.profile import PrivacyProfile
 
@@ -56,9 +58,9 @@ def grid_point(draw: Any, decimals: int) -> tuple[float, float]:
 
 @st.composite
 def scenarios(draw: Any) -> tuple[int, list[tuple[Any, ...]], list[list[tuple[Any, ...]]]]:
-    decimals = draw(st.sampled_from([4, 5, 6]))
+    decimals = draw(st.sampled_from([4, 5, 6])) * draw(st.sampled_from([1, -1]))  # < 0: STR-tree counts
     n0 = draw(st.integers(5, 60))
-    first = [(f"u{i}", *grid_point(draw, decimals), draw(st.integers(0, len(PROFILES) - 1))) for i in range(n0)]
+    first = [(f"u{i}", *grid_point(draw, abs(decimals)), draw(st.integers(0, len(PROFILES) - 1))) for i in range(n0)]
     steps = []
     next_id = n0
     for _ in range(draw(st.integers(1, 5))):
@@ -66,12 +68,12 @@ def scenarios(draw: Any) -> tuple[int, list[tuple[Any, ...]], list[list[tuple[An
         for _ in range(draw(st.integers(0, 25))):
             kind = draw(st.sampled_from(["move", "move", "move", "stay", "leave", "arrive", "profile", "age", "peek"]))
             if kind == "arrive":
-                ops.append(("arrive", f"u{next_id}", *grid_point(draw, decimals), draw(st.integers(0, 15))))
+                ops.append(("arrive", f"u{next_id}", *grid_point(draw, abs(decimals)), draw(st.integers(0, 15))))
                 next_id += 1
             else:
                 who = f"u{draw(st.integers(0, next_id - 1))}"
                 if kind == "move":
-                    ops.append(("move", who, *grid_point(draw, decimals)))
+                    ops.append(("move", who, *grid_point(draw, abs(decimals))))
                 elif kind == "profile":
                     ops.append(("profile", who, draw(st.integers(0, len(PROFILES) - 1))))
                 else:
@@ -139,7 +141,16 @@ def test_incremental_view_cloaks_as_a_view_built_from_nothing_many(scenario: Sce
 def check_against_views_from_nothing(scenario: Scenario) -> None:
     """Apply each step to an index and to the test's record; after each, every user gets the same
     from the index's (incremental) view as from a view built from the record."""
-    _, first, steps = scenario
+    decimals, first, steps = scenario
+    limit = hilbert.SMALL_CHANGE_LIMIT
+    hilbert.SMALL_CHANGE_LIMIT = limit if decimals > 0 else -1  # both ways of counting a change
+    try:
+        run_steps(first, steps)
+    finally:
+        hilbert.SMALL_CHANGE_LIMIT = limit
+
+
+def run_steps(first: list[tuple[Any, ...]], steps: list[list[tuple[Any, ...]]]) -> None:
     index = PositionIndex(stale_after_s=STALE_S)
     truth = Truth()
     now = T0
@@ -234,3 +245,32 @@ def test_bucket_ends_with_many_levels_follow_the_rule() -> None:
     rng = np.random.default_rng(5)
     k = rng.integers(1, 40, 500).astype(np.int64)  # more levels than the column method takes
     assert _bucket_ends(k, int(k.max())).tolist() == brute_bucket_ends(k.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 8), st.integers(0, 8)), max_size=30),
+    st.lists(st.tuples(st.integers(-2, 80), st.integers(-2, 80), st.booleans()), max_size=40),
+)
+def test_both_ways_of_counting_a_change_count_strictly_inside(
+    boxes: list[tuple[int, int, int, int]], points: list[tuple[int, int, bool]]
+) -> None:
+    """Points given by exact keys (2·µdeg on a micro-degree, odd between), boxes in micro-degrees:
+    a point counts for a box when strictly inside it (keys strictly between twice the edges)."""
+    b = np.array([(x, y, x + w, y + h) for x, y, w, h in boxes], np.int64).reshape(-1, 4)
+    added = [(lo, la) for lo, la, entered in points if entered]
+    left = [(lo, la) for lo, la, entered in points if not entered]
+
+    def keys(pts: list[tuple[int, int]], i: int) -> Any:
+        return np.array([p[i] for p in pts], np.int64)
+
+    delta = ViewDelta(1, 1, keys(left, 0), keys(left, 1), keys(added, 0), keys(added, 1))
+    want = [
+        sum(2 * x0 < lo < 2 * x1 and 2 * y0 < la < 2 * y1 for lo, la in added)
+        - sum(2 * x0 < lo < 2 * x1 and 2 * y0 < la < 2 * y1 for lo, la in left)
+        for x0, y0, x1, y1 in b.tolist()
+    ]
+    sorted_way = hilbert.count_change_sorted(b, delta, 1 << 20)
+    assert sorted_way is not None and sorted_way.tolist() == want
+    assert hilbert.count_change(hilbert.key_boxes(b), delta).tolist() == want
+    assert hilbert.count_change_sorted(b, delta, -1) is None or not len(b) or not len(points)
