@@ -221,8 +221,8 @@ class PositionIndex:
         rows = np.flatnonzero(present)
         step = self._curve.advance(self._lat[:n], self._lon[:n], present)
         self._ids_shared = True
-        view_of = np.full(n, -1, np.int32)
-        view_of[rows] = np.arange(len(rows), dtype=np.int32)
+        view_of = np.full(n, -1, np.int64)
+        view_of[rows] = np.arange(len(rows), dtype=np.int64)
         view = IndexView(
             user_ids=None,
             lat=self._lat[rows],
@@ -242,7 +242,7 @@ class PositionIndex:
         lat_key.setflags(write=False)
         view.__dict__["lon_key"] = lon_key
         view.__dict__["lat_key"] = lat_key
-        curve_rows = view_of[step.rows].astype(np.int64)
+        curve_rows = view_of[step.rows]
         for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
             a.setflags(write=False)
         view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
@@ -286,7 +286,7 @@ class _IndexLookup:
 
     __slots__ = ("ids", "index", "removals", "rows", "view_of")
 
-    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: npt.NDArray[np.int32]) -> None:
+    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: I64) -> None:
         self.index = index
         self.ids = ids
         self.rows = rows

@@ -529,6 +529,15 @@ class _Carry:
         return out
 
 
+def _per_bucket(op: np.ufunc, column: F64, rows: I64, bounds: I64) -> F64:
+    """``op`` over each bucket's values of a view column (one value for all when the column is constant)."""
+    lo, hi = (float(column.min()), float(column.max())) if len(column) else (0.0, 0.0)
+    if lo == hi:
+        return np.full(len(bounds) - 1, lo)
+    out: F64 = op.reduceat(column[rows], bounds[:-1])
+    return out
+
+
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
@@ -578,8 +587,8 @@ class _HilbertState:
         self.size_arr = sizes
         self.size: list[int] = sizes.tolist()
         if nb:
-            amin = np.maximum.reduceat(view.min_area_m2[rows], bounds[:-1])
-            amax = np.minimum.reduceat(view.max_area_m2[rows], bounds[:-1])
+            amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
+            amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
             lon0, lon1 = group_extents(self.lon_key_sorted, bounds)
             lat0, lat1 = group_extents(self.lat_key_sorted, bounds)
             mbr = bboxes_around_keys(lon0, lat0, lon1, lat1)
