@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kcloak.cloaking.bench_views import VIEW_ROUNDS, ViewsConfig, measure_views
 from kcloak.cloaking.cloakers import SPATIAL_ALGORITHMS, cloaker_class
 from kcloak.cloaking.cloakers.base import STATUS_OF, STATUS_OK, BatchResult, Refusal, Region
 from kcloak.cloaking.index import IndexView, PositionIndex
@@ -329,10 +330,11 @@ class IndexCosts:
 
 
 def measure_index(pop: Population, work: Workload, *, seed: int, progress: Progress) -> IndexCosts:
-    """Memory of an index holding every user (``tracemalloc``: numpy columns, the user → row dict
-    and the id strings), then ``update`` one fix at a time and ``update_batch`` in chunks of
-    :data:`UPDATE_CHUNK`, both on random moves (σ 20 m) of existing users taken in a seeded random
-    order (one fix per user per chunk when there are at least that many users).
+    """Memory of an index holding every user (``tracemalloc``: numpy columns, the user → row dict,
+    the id strings and the Hilbert order kept from one view to the next), then ``update`` one fix at
+    a time and ``update_batch`` in chunks of :data:`UPDATE_CHUNK`, both on random moves (σ 20 m) of
+    existing users taken in a seeded random order (one fix per user per chunk when there are at
+    least that many users).
     """
     n = len(pop)
     progress.phase("index: memory", 1)
@@ -341,6 +343,7 @@ def measure_index(pop: Population, work: Workload, *, seed: int, progress: Progr
     try:
         before = tracemalloc.get_traced_memory()[0]
         index = build_index(pop, work, user_ids(n))  # fresh id strings, counted
+        index.snapshot(pop.now)  # from its first view on, the index keeps its users' Hilbert order
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
@@ -471,6 +474,10 @@ class CloakBenchConfig:
     time_limit_s: float = 300.0
     clique_queries_per_user_min: float = CLIQUE_QUERIES_PER_USER_MIN
     k_spread: float = DEFAULT_K_SPREAD
+    view_batches: tuple[int, ...] = ()
+    """Moved users per batch in the ``views`` section (empty, the default here: no section; the
+    command line's default is :data:`~kcloak.cloaking.bench_views.VIEW_BATCHES`)."""
+    view_rounds: int = VIEW_ROUNDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +489,8 @@ class CloakBenchReport:
     index: IndexCosts
     rows: tuple[CloakBenchRow, ...]
     area_reference: str = "kcloak.cloaking.cloakers.nn.nn_mbr_area_m2"
+    views: Mapping[str, Any] | None = None
+    """View preparation after batches of moves, incremental against from scratch (bench_views)."""
 
     def to_json(self) -> dict[str, Any]:
         """``{"bench": "cloak", "results": [...]}`` plus ``seed``, ``population`` (with the snapshot
@@ -505,6 +514,7 @@ class CloakBenchReport:
             "notes": list(REPORT_NOTES),
             "index": {"update_moves": self.index.update_moves, "update_batch_chunk": UPDATE_CHUNK},
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            **({"views": _num(dict(self.views))} if self.views is not None else {}),
         }
 
     @property
@@ -606,7 +616,19 @@ def run_cloak_bench(pop: Population, config: CloakBenchConfig, *, progress: Prog
             rows.append(_error_row(base, f"failed: {type(exc).__name__}: {exc}"))
             continue
         rows.append(_with_index_costs(row, costs))
-    return CloakBenchReport(config, dict(pop.description), costs, tuple(rows), reference)
+    views = None
+    if config.view_batches:
+        views = measure_views(
+            index,
+            pop.lat,
+            pop.lon,
+            work.profiles,
+            pop.now,
+            tuple(r.algorithm for r in rows if "error" not in r.extra),
+            ViewsConfig(config.view_batches, config.view_rounds, config.seed),
+            progress=prog,
+        )
+    return CloakBenchReport(config, dict(pop.description), costs, tuple(rows), reference, views)
 
 
 def _base(name: str, n: int, config: CloakBenchConfig) -> CloakBenchRow:

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import shapely
 
+from kcloak.cloaking.curve import CurveOrder, ViewCurve
 from kcloak.cloaking.grid import cell_code_range, cell_udeg, grid_coords, morton_codes
 from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
@@ -71,6 +72,9 @@ class PositionIndex:
         self._salt: npt.NDArray[np.uint64] = np.zeros(0, np.uint64)
         self._alloc(max(capacity, 16))
         self._rng = np.random.default_rng(secrets.randbits(64))
+        self._removals = 0
+        self._ids_shared = False  # a view reads self._ids: copy it before changing a row's user
+        self._curve = CurveOrder()
 
     def _alloc(self, capacity: int) -> None:
         n_old = len(self._lat)
@@ -117,6 +121,7 @@ class PositionIndex:
     def _new_row(self, user: str) -> int:
         if self._free:
             row = self._free.pop()
+            self._own_ids()
             self._ids[row] = user
         else:
             row = len(self._ids)
@@ -130,6 +135,12 @@ class PositionIndex:
         self._min_area[row] = self.default_profile.min_area_m2
         self._max_area[row] = self.default_profile.max_area_m2
         return row
+
+    def _own_ids(self) -> None:
+        """Copy the row → user list before changing an entry, if a view reads it (copy on write)."""
+        if self._ids_shared:
+            self._ids = list(self._ids)
+            self._ids_shared = False
 
     def update(self, user: str, lat: float, lon: float, t: float) -> None:
         """Set the latest fix of ``user`` (adds the user if new). O(1)."""
@@ -170,7 +181,9 @@ class PositionIndex:
         row = self._row.pop(user, None)
         if row is None:
             return
+        self._own_ids()
         self._ids[row] = ""
+        self._removals += 1
         self._alive[row] = False
         self._t[row] = -np.inf
         self._free.append(row)
@@ -197,7 +210,47 @@ class PositionIndex:
         return row is not None and bool(self._t[row] >= now - self.stale_after_s)
 
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
-        """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``)."""
+        """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``).
+
+        The view comes with its exact coordinate keys and its users in Hilbert order, taken from
+        the index's :class:`~kcloak.cloaking.curve.CurveOrder` (patched with the fixes applied
+        since the previous snapshot), and with what changed since that snapshot.
+        """
+        n = len(self._ids)
+        present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
+        rows = np.flatnonzero(present)
+        step = self._curve.advance(self._lat[:n], self._lon[:n], present)
+        self._ids_shared = True
+        view_of = np.full(n, -1, np.int64)
+        view_of[rows] = np.arange(len(rows), dtype=np.int64)
+        view = IndexView(
+            user_ids=None,
+            lat=self._lat[rows],
+            lon=self._lon[rows],
+            t=self._t[rows],
+            k=self._k[rows].astype(np.int64),
+            min_area_m2=self._min_area[rows],
+            max_area_m2=self._max_area[rows],
+            salt=self._salt[rows],
+            now=now,
+            epoch=epoch,
+            seed=seed,
+            lookup=_IndexLookup(self, self._ids, rows, view_of),
+        )
+        lon_key, lat_key = step.lon_key[rows], step.lat_key[rows]
+        lon_key.setflags(write=False)
+        lat_key.setflags(write=False)
+        view.__dict__["lon_key"] = lon_key
+        view.__dict__["lat_key"] = lat_key
+        curve_rows = view_of[step.rows]
+        for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
+            a.setflags(write=False)
+        view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
+        return view
+
+    def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
+        """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
+        own user list and map (the reference incremental views are measured and checked against)."""
         n = len(self._ids)
         rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
         ids = self._ids
@@ -215,6 +268,46 @@ class PositionIndex:
             seed=seed,
         )
 
+    @property
+    def curve_nbytes(self) -> int:
+        """Bytes held by the Hilbert order kept between views."""
+        return self._curve.nbytes
+
+
+class _IndexLookup:
+    """How a view taken from a :class:`PositionIndex` finds a user's row without a dict of its own.
+
+    ``ids`` is the index's row → user list at the snapshot (the index copies it before changing a
+    row's user, so the view's stays as it was), ``rows`` the view's index
+    rows, ``view_of`` index row → view row (−1: not in the view). The index's own user → row map
+    answers for as long as no user was removed from the index (rows are only reused after a
+    removal); after one, the view builds its own map.
+    """
+
+    __slots__ = ("ids", "index", "removals", "rows", "view_of")
+
+    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: I64) -> None:
+        self.index = index
+        self.ids = ids
+        self.rows = rows
+        self.view_of = view_of
+        self.removals = index._removals
+
+    def user_ids(self) -> list[str]:
+        ids = self.ids
+        return [ids[r] for r in self.rows.tolist()]
+
+    def row(self, user: str) -> int | None:
+        """The user's view row; raises LookupError when only the view's own map can tell."""
+        r = self.index._row.get(user)
+        if r is not None and r < len(self.view_of):
+            v = int(self.view_of[r])
+            if v >= 0 and self.ids[r] == user:
+                return v
+        if self.index._removals != self.removals:
+            raise LookupError(user)
+        return None
+
 
 class IndexView:
     """Present users at one instant; rows ``0 … n−1`` are the view's own numbering.
@@ -226,7 +319,7 @@ class IndexView:
     def __init__(
         self,
         *,
-        user_ids: list[str],
+        user_ids: list[str] | None,
         lat: F64,
         lon: F64,
         t: F64,
@@ -237,9 +330,14 @@ class IndexView:
         now: float = 0.0,
         epoch: int = 0,
         seed: int = 0,
+        lookup: _IndexLookup | None = None,
     ) -> None:
-        n = len(user_ids)
-        self.user_ids = user_ids
+        if user_ids is None and lookup is None:
+            raise ValueError("IndexView: user_ids are required")
+        n = len(user_ids) if user_ids is not None else len(lookup.rows)  # type: ignore[union-attr]
+        self._user_ids = user_ids
+        self._lookup = lookup
+        self._n = n
         self.lat = np.asarray(lat, dtype=np.float64)
         self.lon = np.asarray(lon, dtype=np.float64)
         self.t = np.asarray(t, dtype=np.float64)
@@ -251,7 +349,7 @@ class IndexView:
             max_area_m2 if max_area_m2 is not None else np.full(n, _DEFAULT.max_area_m2), dtype=np.float64
         )
         if salt is None:
-            salt = np.array([hash_user(u) for u in user_ids], dtype=np.uint64)
+            salt = np.array([hash_user(u) for u in self.user_ids], dtype=np.uint64)
         self.salt = np.asarray(salt, dtype=np.uint64)
         for a in (self.lat, self.lon, self.t, self.k, self.min_area_m2, self.max_area_m2, self.salt):
             if len(a) != n:
@@ -262,6 +360,8 @@ class IndexView:
         self.seed = seed
         self.cache: dict[Any, Any] = {}
         """Per-view state of cloakers, keyed by whatever the cloaker chooses."""
+        self.curve: ViewCurve | None = None
+        """Rows in Hilbert order and the change since the previous view, when the index keeps them."""
 
     @classmethod
     def from_points(
@@ -295,7 +395,15 @@ class IndexView:
         )
 
     def __len__(self) -> int:
-        return len(self.user_ids)
+        return self._n
+
+    @property
+    def user_ids(self) -> list[str]:
+        """User id of each view row (built on first use for a view of a :class:`PositionIndex`)."""
+        if self._user_ids is None:
+            assert self._lookup is not None
+            self._user_ids = self._lookup.user_ids()
+        return self._user_ids
 
     @cached_property
     def row_of(self) -> dict[str, int]:
@@ -303,6 +411,12 @@ class IndexView:
         return {u: i for i, u in enumerate(self.user_ids)}
 
     def row(self, user: str) -> int | None:
+        """The user's view row, or None when the user is not in the view."""
+        if self._lookup is not None and "row_of" not in self.__dict__:
+            try:
+                return self._lookup.row(user)
+            except LookupError:
+                pass
         return self.row_of.get(user)
 
     # -- exact coordinates -------------------------------------------------------------------

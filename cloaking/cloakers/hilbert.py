@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+import shapely
 
 from kcloak.cloaking.cloakers.base import (
     STATUS_OF,
@@ -26,6 +27,7 @@ from kcloak.cloaking.cloakers.base import (
     Region,
     refuse,
 )
+from kcloak.cloaking.curve import ViewDelta, hilbert_indices
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
@@ -83,55 +85,6 @@ def hilbert_index(n: int, x: int, y: int) -> int:
     return d
 
 
-def hilbert_indices(x: npt.ArrayLike, y: npt.ArrayLike, order: int = GRID_BITS) -> I64:
-    """Vectorized :func:`hilbert_index` on the ``2^order`` grid (the same iteration over bits, on arrays).
-
-    Coordinates must lie in ``[0, 2^order)``, ``order ≤ 31``; the result fits in an int64. Works
-    on cache-sized chunks (about 4× faster than whole arrays for a million points).
-    """
-    if not 1 <= order <= 31:
-        raise ValueError("order: must be within [1, 31]")
-    xs = np.array(x, dtype=np.int32).reshape(-1)
-    ys = np.array(y, dtype=np.int32).reshape(-1)
-    d = np.zeros(len(xs), np.int64)
-    for lo in range(0, len(xs), _CHUNK):
-        _hilbert_chunk(xs[lo : lo + _CHUNK], ys[lo : lo + _CHUNK], d[lo : lo + _CHUNK], order)
-    return d
-
-
-_CHUNK = 1 << 15
-
-
-def _hilbert_chunk(xs: npt.NDArray[np.int32], ys: npt.NDArray[np.int32], d: I64, order: int) -> None:
-    """The §4.4 iteration over bits, in place on one chunk (``xs``, ``ys`` are scratch)."""
-    m = len(xs)
-    rx = np.empty(m, np.int32)
-    ry = np.empty(m, np.int32)
-    tmp = np.empty(m, np.int32)
-    for s in range(order - 1, -1, -1):
-        np.right_shift(xs, s, out=rx)
-        np.bitwise_and(rx, 1, out=rx)
-        np.right_shift(ys, s, out=ry)
-        np.bitwise_and(ry, 1, out=ry)
-        d <<= 2
-        np.multiply(rx, 3, out=tmp)
-        np.bitwise_xor(tmp, ry, out=tmp)
-        d |= tmp
-        # Rotate where ry == 0: reflect when rx == 1, then swap. Only the bits below s matter from
-        # here on, so reflecting those (x ^ (2^s − 1)) is the same as n − 1 − x.
-        np.bitwise_xor(ry, 1, out=ry)
-        np.bitwise_and(rx, ry, out=tmp)
-        np.negative(tmp, out=tmp)
-        np.bitwise_and(tmp, (1 << s) - 1, out=tmp)
-        xs ^= tmp
-        ys ^= tmp
-        np.bitwise_xor(xs, ys, out=tmp)
-        np.negative(ry, out=ry)
-        tmp &= ry
-        xs ^= tmp
-        ys ^= tmp
-
-
 def tie_keys(salt: npt.ArrayLike, seed: int) -> U64:
     """Tie-break keys: SplitMix64 of each user's salt mixed with the view's epoch seed (§4.4).
 
@@ -166,6 +119,26 @@ def hilbert_sort(hv: I64, tie: U64) -> I64:
     return order
 
 
+def order_ties(rows: I64, hv_sorted: I64, salt: U64, seed: int) -> I64 | None:
+    """How to put rows already ordered by Hilbert value (equal values in any order) in
+    :func:`hilbert_sort`'s order with ``tie_keys(salt, seed)``: runs of equal values by ``(tie, row)``.
+
+    Returns the permutation of positions (``rows[perm]`` is that order), or None when no value
+    repeats. Only the tied runs are sorted, and only their tie keys computed.
+    """
+    eq = hv_sorted[1:] == hv_sorted[:-1]
+    if not eq.any():
+        return None
+    tied = np.zeros(len(rows), bool)
+    tied[1:] |= eq
+    tied[:-1] |= eq
+    pos = np.flatnonzero(tied)
+    sub = rows[pos]
+    perm = np.arange(len(rows), dtype=np.int64)
+    perm[pos] = pos[np.lexsort((sub, tie_keys(salt[sub], seed), hv_sorted[pos]))]
+    return perm
+
+
 def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
     """Cut users, given by their stored ``k`` in curve order, into buckets with the personalized rule (§4.4).
 
@@ -183,11 +156,11 @@ def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
         bounds = np.arange(n // kmax + 1, dtype=np.int64) * kmax
         bounds[-1] = n
         return bounds
-    nxt = _bucket_ends(k, kmax).tolist()
+    nxt = _bucket_ends(k, kmax).item  # a chain of n / k steps: no list of all n ends
     out = [0]
     i = 0
     while i < n:
-        e = nxt[i]
+        e = nxt(i)
         if e > n:
             break
         out.append(e)
@@ -202,8 +175,49 @@ def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
     return np.asarray(out, dtype=np.int64)
 
 
+_DENSE_LEVELS = 8
+"""Up to this many distinct stored ``k``, :func:`_bucket_ends` works on whole columns (no gathers)."""
+
+
 def _bucket_ends(k: I64, kmax: int) -> I64:
     """For every start ``i``: end of the bucket the greedy rule would close from ``i`` (``n + 1``: never).
+
+    With few distinct ``k`` (profiles come in a few levels), on whole columns: the window maximum
+    ``W_v[i] = max(k[i : i + v])`` for each level ``v``, then ``L ← W_L`` level by level in
+    ascending order (``L`` only grows, so one pass reaches the fixpoint).
+    """
+    levels = np.flatnonzero(np.bincount(k)) if kmax <= 1 << 16 else np.unique(k)
+    if len(levels) > _DENSE_LEVELS:
+        return _bucket_ends_sparse(k, kmax)
+    n = len(k)
+    if kmax < 1 << 15:  # a quarter of the memory traffic
+        k = k.astype(np.int16)
+    doubling = [k]  # doubling[p][i] = max(k[i : i + 2^p]) (windows cut at n)
+    while (1 << len(doubling)) <= kmax:
+        prev, half = doubling[-1], min(1 << (len(doubling) - 1), n)
+        cur = prev.copy()
+        np.maximum(prev[: n - half], prev[half:], out=cur[: n - half])
+        doubling.append(cur)
+    window: dict[int, npt.NDArray[np.integer[Any]]] = {}
+    for v in levels.tolist():
+        p = v.bit_length() - 1
+        w = doubling[p].copy()
+        off = min(v - (1 << p), n)
+        if off:
+            np.maximum(w[: n - off], doubling[p][off:], out=w[: n - off])
+        window[v] = w
+    length = k.copy()
+    for v in levels.tolist():
+        at = length == v
+        length[at] = window[v][at]
+    ends = np.arange(n, dtype=np.int64)
+    ends += length
+    ends[ends > n] = n + 1
+    return ends
+
+
+def _bucket_ends_sparse(k: I64, kmax: int) -> I64:
+    """:func:`_bucket_ends` for many distinct ``k``, on the active starts only.
 
     The bucket length is the least fixpoint ``L = max(k[i : i + L])``, reached by iterating
     ``L ← max(k[i : i + L])`` from ``L = k[i]`` (at most one step per distinct k), with a
@@ -395,25 +409,176 @@ class _Group:
     max_area_m2: float = MAX_REGION_AREA_M2
 
 
+def _box_hashes(boxes: I64, amin: F64) -> U64:
+    """A 64-bit hash of each ``(box, A_min)`` (equal inputs, equal hashes; matches are verified)."""
+    b = boxes.astype(np.uint64)
+    h = b[:, 0] * np.uint64(0x9E3779B97F4A7C15)
+    h ^= b[:, 1] * np.uint64(0xC2B2AE3D27D4EB4F)
+    h ^= b[:, 2] * np.uint64(0x165667B19E3779F9)
+    h ^= b[:, 3] * np.uint64(0x27D4EB2F165667C5)
+    h ^= amin.view(np.uint64)
+    out: U64 = h
+    return out
+
+
+def key_boxes(boxes: I64) -> npt.NDArray[np.object_]:
+    """Shapely boxes over the exact keys strictly inside ``(m, 4)`` micro-degree boxes (on the world
+    edge too, as :meth:`IndexView.count_in_many` counts); None for a box that can hold no point."""
+    kb = key_bounds_array(boxes)
+    geoms: npt.NDArray[np.object_] = shapely.box(kb[:, 0], kb[:, 1], kb[:, 2], kb[:, 3])
+    geoms[(kb[:, 2] < kb[:, 0]) | (kb[:, 3] < kb[:, 1])] = None
+    return geoms
+
+
+SMALL_CHANGE_LIMIT = 1 << 22
+"""Up to this many (box, point) candidates, :func:`count_change_sorted` counts a view's change
+without shapely boxes; above, :func:`count_change` does with an STR-tree."""
+
+
+def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
+    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by longitude key:
+    each box's candidates are one slice, tested on latitude. None when there are more than
+    ``limit`` candidates (a large change)."""
+    m = len(boxes)
+    n_added = len(delta.added_lon_key)
+    lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key])
+    if m == 0 or len(lon) == 0:
+        return np.zeros(m, np.int64)
+    lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key])
+    order = np.argsort(lon, kind="stable")
+    lon, lat = lon[order], lat[order]
+    sign = np.where(order < n_added, 1, -1)
+    kb = key_bounds_array(boxes)
+    lo = np.searchsorted(lon, kb[:, 0], "left")
+    length = np.maximum(np.searchsorted(lon, kb[:, 2], "right") - lo, 0)
+    total = int(length.sum())
+    if total > limit:
+        return None
+    box = np.repeat(np.arange(m), length)
+    at = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(total)
+    inside = (lat[at] >= kb[box, 1]) & (lat[at] <= kb[box, 3])
+    out: I64 = np.bincount(box[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
+    return out
+
+
+def count_change(geoms: npt.NDArray[np.object_], delta: ViewDelta) -> I64:
+    """Points that entered minus points that left each of :func:`key_boxes`' boxes."""
+    m = len(geoms)
+    lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key]).astype(np.float64)
+    lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key]).astype(np.float64)
+    if m == 0 or len(lon) == 0:
+        return np.zeros(m, np.int64)
+    point, box = shapely.STRtree(geoms).query(shapely.points(lon, lat))
+    sign = np.where(point < len(delta.added_lon_key), 1, -1)
+    out: I64 = np.bincount(box, weights=sign, minlength=m).astype(np.int64)
+    return out
+
+
+class _Carry:
+    """A view's per-bucket boxes, areas and counts, kept for the next view of the same index.
+
+    Keyed by ``(MBR, largest stored A_min)``: the final box and area are functions of these two,
+    and the count of the final box changes only by the points that left or entered it (the
+    :class:`~kcloak.cloaking.curve.ViewDelta` between the two views).
+    """
+
+    __slots__ = ("amin", "area", "bbox", "geoms", "k_achieved", "mbr", "seq", "sized", "source")
+
+    def __init__(self, st: _HilbertState, source: int, seq: int) -> None:
+        # The state's own per-bucket arrays (not the view): boxes grown and counted lazily after
+        # this carry was taken are carried too.
+        self.source = source
+        self.seq = seq
+        self.mbr = st.mbr
+        self.amin = st.amin_arr
+        self.bbox = st.bbox
+        self.area = st.area
+        self.sized = st.sized
+        self.k_achieved = st.k_achieved
+        self.geoms = st.geoms
+
+    def apply(self, st: _HilbertState, delta: ViewDelta) -> npt.NDArray[np.bool_]:
+        """Fill ``st``'s buckets that match one of this view's; returns which did."""
+        if len(self.mbr) == 0:
+            return np.zeros(st.n_buckets, bool)
+        old_h = _box_hashes(self.mbr, self.amin)
+        order = np.argsort(old_h, kind="stable")
+        old_h = old_h[order]
+        h = _box_hashes(st.mbr, st.amin_arr)
+        pos = np.minimum(np.searchsorted(old_h, h), len(old_h) - 1)
+        at = order[pos]
+        hit = (old_h[pos] == h) & (self.mbr[at] == st.mbr).all(axis=1) & (self.amin[at] == st.amin_arr)
+        new = np.flatnonzero(hit)
+        old = at[new]
+        st.bbox[new] = self.bbox[old]
+        st.area[new] = self.area[old]
+        st.sized[new] = self.sized[old]
+        k = self.k_achieved[old]
+        counted = k >= 0
+        if counted.any():
+            # A counted box is final (sized): its shapely box, once made, is carried along.
+            was = old[counted]
+            geoms = self.geoms[was]
+            change = count_change_sorted(self.bbox[was], delta, SMALL_CHANGE_LIMIT) if len(delta) else None
+            if change is None and len(delta):
+                missing = np.flatnonzero(shapely.is_missing(geoms))
+                if len(missing):
+                    geoms[missing] = key_boxes(self.bbox[was[missing]])
+                change = count_change(geoms, delta)
+            st.geoms[new[counted]] = geoms
+            if change is not None:
+                k[counted] += change
+        st.k_achieved[new] = k
+        out: npt.NDArray[np.bool_] = hit
+        return out
+
+
+def _per_bucket(op: np.ufunc, column: F64, rows: I64, bounds: I64) -> F64:
+    """``op`` over each bucket's values of a view column (one value for all when the column is constant)."""
+    lo, hi = (float(column.min()), float(column.max())) if len(column) else (0.0, 0.0)
+    if lo == hi:
+        return np.full(len(bounds) - 1, lo)
+    out: F64 = op.reduceat(column[rows], bounds[:-1])
+    return out
+
+
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
-    def __init__(self, view: IndexView, order: int, algorithm: str, view_rows: I64 | None = None) -> None:
+    def __init__(
+        self,
+        view: IndexView,
+        order: int,
+        algorithm: str,
+        view_rows: I64 | None = None,
+        carry: _Carry | None = None,
+    ) -> None:
         self.view = view
         self.view_rows = view_rows
         """Rows of a larger view that ``view``'s rows stand for (a cell's users): anonymizing sets use them."""
         self.algorithm = algorithm
         n = len(view)
         self.n = n
-        shift = GRID_BITS - order
-        hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
-        rows = hilbert_sort(hv, tie_keys(view.salt, view.seed)).astype(np.int64)
+        curve = view.curve if order == GRID_BITS and view_rows is None else None
+        if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
+            hv_sorted = curve.hv
+            perm = order_ties(curve.rows, hv_sorted, view.salt, view.seed)
+            if perm is None:
+                rows, lon_key_sorted, lat_key_sorted = curve.rows, curve.lon_key, curve.lat_key
+            else:
+                rows, lon_key_sorted, lat_key_sorted = curve.rows[perm], curve.lon_key[perm], curve.lat_key[perm]
+        else:
+            shift = GRID_BITS - order
+            hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
+            rows = hilbert_sort(hv, tie_keys(view.salt, view.seed)).astype(np.int64)
+            hv_sorted = hv[rows]
+            lon_key_sorted, lat_key_sorted = view.lon_key[rows], view.lat_key[rows]
         rows.setflags(write=False)
         self.order = order
         self.rows = rows
-        self.hv_sorted = hv[rows]
-        self.lon_key_sorted = view.lon_key[rows]
-        self.lat_key_sorted = view.lat_key[rows]
+        self.hv_sorted = hv_sorted
+        self.lon_key_sorted = lon_key_sorted
+        self.lat_key_sorted = lat_key_sorted
         bounds = partition_buckets(view.k[rows])
         self.bounds = bounds
         nb = len(bounds) - 1
@@ -423,12 +588,11 @@ class _HilbertState:
         if nb:
             bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         self.bucket_arr = bucket_of
-        self.bucket_of: list[int] = bucket_of.tolist()
         self.size_arr = sizes
         self.size: list[int] = sizes.tolist()
         if nb:
-            amin = np.maximum.reduceat(view.min_area_m2[rows], bounds[:-1])
-            amax = np.minimum.reduceat(view.max_area_m2[rows], bounds[:-1])
+            amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
+            amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
             lon0, lon1 = group_extents(self.lon_key_sorted, bounds)
             lat0, lat1 = group_extents(self.lat_key_sorted, bounds)
             mbr = bboxes_around_keys(lon0, lat0, lon1, lat1)
@@ -445,19 +609,46 @@ class _HilbertState:
         self.mbr = mbr
         # Final region of each bucket (after growth to its stored A_min): the box and area now for
         # the buckets that need no growth, lazily for the others (expand_to_area is scalar); exact
-        # counts now from the curve order, lazily where a cover is too crowded.
-        mbr_area = bbox_areas_m2(mbr)
+        # counts now from the curve order, lazily where a cover is too crowded. A bucket with the
+        # same MBR and A_min as one of the previous view's takes that one's box, area and count
+        # (the count corrected by the points that left or entered the box): all three depend on
+        # the box and the points only.
         self.bbox = mbr.copy()
-        self.area = mbr_area
-        self.sized = mbr_area >= amin
+        self.area = np.zeros(nb)
+        self.sized = np.zeros(nb, bool)
         self.k_achieved = np.full(nb, _UNCOUNTED, np.int64)
-        plain = np.flatnonzero(self.sized)
-        if len(plain):
-            self.k_achieved[plain] = self.cover_counts(mbr[plain])
+        self.geoms: npt.NDArray[np.object_] = np.full(nb, None, object)
+        """Shapely box of each counted bucket's final box, made when the next view carries it."""
+        fresh = np.ones(nb, bool)
+        delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
+        if carry is not None and delta is not None and nb:
+            fresh = ~carry.apply(self, delta)
+        self.carried = nb - int(np.count_nonzero(fresh))
+        """Buckets whose box, area and count were taken over from the previous view."""
+        idx = np.flatnonzero(fresh)
+        if len(idx):
+            self.area[idx] = bbox_areas_m2(mbr[idx])
+            self.sized[idx] = self.area[idx] >= amin[idx]
+            plain = idx[self.sized[idx]]
+            if len(plain):
+                self.k_achieved[plain] = self.cover_counts(mbr[plain])
         self.regions: list[CloakResult | None] = [None] * nb
         self.super_levels: dict[int, list[int]] = {}
         self.blocks: dict[tuple[int, int, int], _Group] = {}
         self.block_regions: dict[tuple[int, int, int], CloakResult] = {}
+
+    @property
+    def bucket_of(self) -> list[int]:
+        """Bucket of each view row (−1: not placed), as a list."""
+        out: list[int] = self.bucket_arr.tolist()
+        return out
+
+    def carry(self) -> _Carry | None:
+        """What the next view of the same index may take over from this one (None: nothing)."""
+        curve = self.view.curve
+        if curve is None or self.view_rows is not None or self.order != GRID_BITS:
+            return None
+        return _Carry(self, curve.source, curve.seq)
 
     def cover_counts(self, boxes: I64) -> I64:
         """:func:`cover_counts` on this view's sorted users; ``-1`` where the cover is crowded."""
@@ -684,6 +875,8 @@ class HilbertCloak:
     supports_l: ClassVar[bool] = False
     cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
     vectorized: ClassVar[bool] = True
+    incremental_views: ClassVar[bool] = True
+    """A view of a :class:`PositionIndex` takes over the previous view's buckets where unchanged."""
 
     def __init__(self, *, order: int = GRID_BITS, cells: CellMap | None = None) -> None:
         if not 1 <= order <= GRID_BITS:
@@ -693,6 +886,7 @@ class HilbertCloak:
         self.order = order
         self.cells = cells
         self._key: tuple[object, ...] = ("hilbert", order) if cells is None else ("hilbert", order, cells)
+        self._carry: _Carry | None = None
 
     def state(self, view: IndexView) -> _HilbertState:
         """The per-view buckets (built on first use, cached in ``view.cache``); without a cell map only."""
@@ -700,8 +894,9 @@ class HilbertCloak:
             raise ValueError("state: this cloaker has a cell map (use celled_state)")
         st: _HilbertState | None = view.cache.get(self._key)
         if st is None:
-            st = _HilbertState(view, self.order, self.name)
+            st = _HilbertState(view, self.order, self.name, carry=self._carry)
             view.cache[self._key] = st
+            self._carry = st.carry()
         return st
 
     def celled_state(self, view: IndexView) -> _CelledState:
@@ -728,7 +923,7 @@ class HilbertCloak:
         k = profile.k
         if k > st.n:
             return _K_UNREACHABLE, -1
-        b = st.bucket_of[row]
+        b = st.bucket_arr.item(row)
         if b < 0:
             return _NOT_PLACED, -1
         if k <= st.size[b] and profile.min_area_m2 <= st.amin[b]:
@@ -844,11 +1039,15 @@ __all__ = [
     "bbox_areas_m2",
     "bboxes_around_keys",
     "cell_view",
+    "count_change",
+    "count_change_sorted",
     "cover_counts",
     "group_extents",
     "hilbert_index",
     "hilbert_indices",
     "hilbert_sort",
+    "key_boxes",
+    "order_ties",
     "partition_buckets",
     "super_bucket_levels",
     "tie_keys",

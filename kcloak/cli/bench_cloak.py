@@ -90,6 +90,14 @@ def add_parser(bench: SubParsers) -> None:
         metavar="S",
         help="stop an algorithm's single-call stream after S seconds; the row is marked truncated (300)",
     )
+    p.add_argument(
+        "--view-batches",
+        default="1000,10000",
+        metavar="B,B",
+        help="views section: after each batch of B moved users, time a fresh view incrementally and "
+        "from scratch, and compare them ('none' skips it; 1000,10000)",
+    )
+    p.add_argument("--view-rounds", type=int, default=3, metavar="N", help="views section: batches of each size (3)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run_bench_cloak)
@@ -133,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
     if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
         raise UsageError("--time-limit-s: must be positive")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    view_batches = parse_view_batches(args.view_batches)
+    if args.view_rounds < 1:
+        raise UsageError("--view-rounds: must be at least 1")
     return CloakBenchConfig(
         algorithms=parse_algorithms(args.algorithms),
         k=args.k,
@@ -141,7 +152,22 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
         seed=seed,
         time_limit_s=args.time_limit_s,
         k_spread=args.k_spread,
+        view_batches=view_batches,
+        view_rounds=args.view_rounds,
     )
+
+
+def parse_view_batches(text: str) -> tuple[int, ...]:
+    """``--view-batches``: positive batch sizes, comma-separated, or ``none``."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise UsageError(f"--view-batches: not a list of batch sizes: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError("--view-batches: give positive batch sizes, e.g. 1000,10000, or none")
+    return sizes
 
 
 def load_population(args: argparse.Namespace, seed: int) -> Population:
@@ -250,6 +276,8 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
             _fmt(r["bytes_per_user"], ".0f"),
         )
     out.print(table)
+    if "views" in d:
+        print_views(d["views"], out)
     for r in d["results"]:
         if r.get("error"):
             out.print(f"{r['algorithm']}: {r['error']}", highlight=False, markup=False)
@@ -257,3 +285,50 @@ def print_table(report: CloakBenchReport, console: Console | None = None) -> Non
         if refusals:
             text = ", ".join(f"{code} {n}" for code, n in refusals.items())
             out.print(f"{r['algorithm']}: refusals {text}", highlight=False)
+
+
+def print_views(v: dict[str, Any], out: Console) -> None:
+    """The views section: view preparation after a batch of moves, incremental and from scratch."""
+    from rich.table import Table
+
+    rss, peak = v.get("rss_mb"), v.get("peak_rss_mb")
+    table = Table(
+        title=f"views — {v['users']:,} users; a fresh view after B moved users (σ {v['move_sigma_m']:.0f} m), "
+        f"median of {v['rounds']} [min–max]; process RSS {_fmt(rss, ',.0f')} MB, peak {_fmt(peak, ',.0f')} MB",
+        title_justify="left",
+    )
+    for name in (
+        "algorithm",
+        "B",
+        "incremental ms",
+        "of which snapshot",
+        "from scratch ms",
+        "speed-up",
+        "single p50 µs",
+        "single p99 µs",
+        "mismatches",
+    ):
+        table.add_column(name, justify="left" if name == "algorithm" else "right")
+
+    def span(s: dict[str, float]) -> str:
+        return f"{s['median']:,.0f} [{s['min']:,.0f}–{s['max']:,.0f}]"
+
+    for r in v["results"]:
+        if r.get("error"):
+            table.add_row(r["algorithm"], "", "[red]error[/red]")
+            continue
+        name = r["algorithm"] + ("" if r["incremental_state"] else " (view only)")
+        for i, b in enumerate(r["batches"]):
+            first = i == 0
+            table.add_row(
+                name if first else "",
+                f"{b['moved']:,}",
+                span(b["incremental_ms"]),
+                span(b["incremental_snapshot_ms"]),
+                span(b["scratch_ms"]),
+                f"{b['speedup']:.1f}×",
+                _fmt(r["single_us_p50"], ".1f") if first else "",
+                _fmt(r["single_us_p99"], ".1f") if first else "",
+                str(r["mismatches"]) if first else "",
+            )
+    out.print(table)

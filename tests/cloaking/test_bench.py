@@ -406,3 +406,37 @@ def test_real_clique_stream() -> None:
     assert row.extra["latency_s_p99"] <= 30.0  # max_delay_s of the default profile
     expired = row.extra["refusals"].get("expired", 0)
     assert expired == round((1 - row.success_rate) * 1500)
+
+
+def test_views_section_compares_incremental_and_fresh_views(capsys: pytest.CaptureFixture[str]) -> None:
+    """After each batch of moves, the incremental view and the one built from scratch answer the
+    same (mismatches 0), both are timed, and single calls and memory are reported."""
+    argv = ["bench", "cloak", "--users", "3000", "--requests", "200", "--seed", "5", "--no-progress"]
+    argv += ["--algorithms", "hilbert,interval", "--view-batches", "50,600", "--view-rounds", "2", "--json"]
+    code = run(argv)
+    assert code == 0
+    views = json.loads(capsys.readouterr().out)["views"]
+    assert views["users"] == 3000
+    assert views["batches"] == [50, 600]
+    rows = {r["algorithm"]: r for r in views["results"]}
+    assert list(rows) == ["hilbert", "interval"]
+    assert rows["hilbert"]["incremental_state"] is True
+    assert rows["interval"]["incremental_state"] is False
+    for r in rows.values():
+        assert r["mismatches"] == 0
+        assert [b["moved"] for b in r["batches"]] == [50, 600]
+        for b in r["batches"]:
+            for key in ("incremental_ms", "scratch_ms", "incremental_snapshot_ms"):
+                s = b[key]
+                assert 0 < s["min"] <= s["median"] <= s["max"]
+            assert b["speedup"] > 0
+        assert 0 < r["single_us_p50"] <= r["single_us_p99"]
+    assert views["peak_rss_mb"] > 10
+
+
+def test_views_section_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run([*SMALL, "--algorithms", "hilbert", "--view-batches", "none", "--json"]) == 0
+    assert "views" not in json.loads(capsys.readouterr().out)
+    for bad in (["--view-batches", "0"], ["--view-batches", "ten"], ["--view-rounds", "0"]):
+        assert run([*SMALL, *bad]) == 2
+        assert "--view" in capsys.readouterr().err
