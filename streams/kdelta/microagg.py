@@ -14,7 +14,7 @@ answered from fast distances (three matrix products over the resampled positions
 come with a rigorous error bound, then the few candidates the bound cannot separate are re-evaluated with
 the exact formula of :func:`p_contemporaneous_distances`. The decisions, hence the clusters, are those of
 the straightforward dense algorithm (ties to the lowest index); medoid sums are exact (``math.fsum``), and sums
-equal but for the rounding of shortest-path lengths (:data:`MEDOID_TIE_RTOL`) tie.
+equal but for the rounding of shortest-path lengths (:data:`MEDOID_TIE_ATOL_M`) tie.
 """
 
 from __future__ import annotations
@@ -39,19 +39,25 @@ B1 = npt.NDArray[np.bool_]
 EPS = float(np.finfo(np.float64).eps)
 ROW_BLOCK = 128
 """Rows per matrix-product block when a whole pass over the pairs is needed (bounds temporary memory)."""
-MEDOID_TIE_RTOL = 1e-9
-"""Medoid sums within this relative distance of the smallest are a tie, broken by the lowest index.
+MEDOID_TIE_RTOL = 1e-7
+MEDOID_TIE_ATOL_M = 1e-3
+"""Medoid sums within ``MEDOID_TIE_ATOL_M + MEDOID_TIE_RTOL·|smallest|`` of the smallest tie (lowest index wins).
 
 Completed (shortest-path) distances are sums of edges, and two remaining trajectories can have equal sums
 by the graph's shape alone (each reaches the other's neighbours through the other); how a sum of path
-lengths rounds in its last bits is not a difference between them.
+lengths rounds (the fast path sums edges rounded to 2⁻²⁰ m) is not a difference between them; nor is a
+millimetre in a sum of distances between GPS positions.
 """
 
 
 def _medoid_of(sums: list[float], ids: list[int]) -> int:
-    """The lowest id among those whose exact sum is within :data:`MEDOID_TIE_RTOL` of the smallest."""
+    """The lowest id among those whose exact sum ties with the smallest (:data:`MEDOID_TIE_ATOL_M`)."""
     best = min(sums)
-    return min(i for i, v in zip(ids, sums, strict=True) if v <= best + MEDOID_TIE_RTOL * abs(best))
+    return min(i for i, v in zip(ids, sums, strict=True) if v <= best + _medoid_tie(best))
+
+
+def _medoid_tie(best: float) -> float:
+    return MEDOID_TIE_ATOL_M + MEDOID_TIE_RTOL * abs(best)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -398,7 +404,7 @@ class _Mdav:
         lo = self.row_sum[cand] - self.row_err[cand]
         hi = self.row_sum[cand] + self.row_err[cand]
         top = hi.min()
-        close = cand[lo <= top + MEDOID_TIE_RTOL * abs(top)]
+        close = cand[lo <= top + _medoid_tie(top)]
         if len(close) == 1:
             return int(close[0])
         sums = [math.fsum(self.fast.exact(int(i), cand).tolist()) for i in close.tolist()]
@@ -447,7 +453,7 @@ def mdav_groups(d: F64, k: int) -> list[I64]:
     """MDAV (§8.10) on a dense distance matrix, with the medoid of the remaining records as their centroid.
 
     The dense statement of the clustering :func:`microaggregate` performs (§7.5 ⚠): the medoid minimizes the
-    exact (``math.fsum``) sum of distances to the remaining records (sums within :data:`MEDOID_TIE_RTOL` tie); ties
+    exact (``math.fsum``) sum of distances to the remaining records (sums within :data:`MEDOID_TIE_ATOL_M` tie); ties
     go to the lowest index everywhere.
     """
     n = len(d)

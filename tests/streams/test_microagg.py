@@ -97,7 +97,7 @@ def _reference_clusters(trajs: list[Trajectory], k: int, grid_points: int = 64) 
         cand = live()
         sums = {i: math.fsum(sub[i, j] for j in cand) for i in cand}
         best = min(sums.values())
-        return min(i for i in cand if sums[i] <= best * (1 + 1e-9))  # equal but for rounding: lowest index
+        return min(i for i in cand if sums[i] <= best + 1e-3 + 1e-7 * best)  # a tie within 1 mm: lowest index
 
     while alive.sum() >= 3 * k:
         first = farthest(medoid())
@@ -140,6 +140,7 @@ def _random_trajectories(seed: int, n: int, *, spans: str, duplicates: int) -> l
 # two trajectories whose sums of completed distances tie by the graph's shape (found by this test)
 @example(seed=227486, n=12, k=2, spans="scattered", duplicates=2, grid_points=8)
 @example(seed=919823450, n=15, k=2, spans="scattered", duplicates=2, grid_points=8)
+@example(seed=4, n=24, k=2, spans="scattered", duplicates=1, grid_points=64)  # sums of 66 m, equal to 2e-9
 def test_fast_clusters_equal_dense_reference(
     seed: int, n: int, k: int, spans: str, duplicates: int, grid_points: int
 ) -> None:
