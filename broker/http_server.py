@@ -254,7 +254,7 @@ def _user(request: web.Request) -> str:
 
 
 # -- fixes -------------------------------------------------------------------------------------
-_ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
+ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
 
 
 async def post_location(request: web.Request) -> web.Response:
@@ -271,7 +271,7 @@ async def post_location(request: web.Request) -> web.Response:
     res = await pipeline.enqueue_fixes("http", [(user, fix)])
     code = res.codes[0]
     if code is None:
-        return web.Response(body=_ACCEPTED_ONE, content_type="application/json")
+        return web.Response(body=ACCEPTED_ONE, content_type="application/json")
     if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
         return web.json_response({"accepted": 0, "rejected": [{"index": 0, "code": code.value}]})
     messages = {

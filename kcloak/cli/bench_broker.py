@@ -19,7 +19,11 @@ def add_parser(bench: SubParsers) -> None:
             "MQTT broker) and an instant upstream, drive it from client processes, and report the rates "
             "the broker sustained (read from its own counters; queries/s counts queries answered ok, "
             "refusals are shown beside it) and its added latency (p50/p99, upstream excluded) at half "
-            "the sustained query rate. Each phase runs --duration seconds."
+            "the sustained query rate. Fix intake is measured beside two yardsticks in the same run: "
+            "the same MQTT fix generators publishing into a mosquitto of their own with one counting "
+            "subscriber (pass-through), and the same HTTP fix generators against an empty aiohttp "
+            "handler; with kcloak's CPU microseconds per accepted fix (utime+stime from /proc) and the "
+            "generators' CPU. Each phase runs --duration seconds."
         ),
     )
     p.add_argument("--duration", type=float, default=10.0, metavar="S", help="seconds per phase (10)")
@@ -89,5 +93,24 @@ def run(args: argparse.Namespace) -> int:
             str(r["added_latency_ms_p50"]),
             str(r["added_latency_ms_p99"]),
         )
-    Console().print(table)
+    out = Console()
+    out.print(table)
+    intake = Table(title="fix intake beside its yardstick (measured in this run)")
+    for col in ("transport", "updates/s", "yardstick", "yardstick/s", "ratio", "CPU µs/fix", "generators CPU"):
+        intake.add_column(col)
+    for r in report["results"]:
+        y = r["yardstick"]
+        intake.add_row(
+            r["transport"],
+            f"{r['updates_per_s']:.0f}",
+            y["name"],
+            "-" if y.get("per_s") is None else f"{y['per_s']:.0f}",
+            "-" if r["updates_vs_yardstick"] is None else f"{r['updates_vs_yardstick']:.2f}",
+            "-" if r["cpu_us_per_fix"] is None else f"{r['cpu_us_per_fix']:.1f}",
+            f"{r['update_generator_cpu_cores']} cores (yardstick {y.get('generator_cpu_cores')})",
+        )
+    out.print(intake)
+    for r in report["results"]:
+        if r["queries_note"]:
+            out.print(f"{r['transport']} queries: {r['queries_note']}")
     return 0
