@@ -623,13 +623,28 @@ class _Connection(asyncio.Protocol):
             self.timer = self.loop.call_later(max(limit - idle, 0.1), self._check_keepalive)
 
 
+_INPUT_TOPICS: dict[str, tuple[str, str] | None] = {}
+INPUT_TOPIC_CACHE = 65_536
+"""Topics whose reading :func:`input_topic` remembers (cleared when full): every app publishes on
+the same few topics, over and over."""
+
+
 def input_topic(topic: str) -> tuple[str, str] | None:
     """(kind, user) of an input topic ``kcloak/v1/{kind}/{user}``; None for any other topic (the
     user level is returned as sent, unvalidated)."""
+    try:
+        return _INPUT_TOPICS[topic]
+    except KeyError:
+        pass
     parts = topic.split("/")
     if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in INPUT_KINDS:
-        return None
-    return parts[2], parts[3]
+        known = None
+    else:
+        known = parts[2], parts[3]
+    if len(_INPUT_TOPICS) >= INPUT_TOPIC_CACHE:
+        _INPUT_TOPICS.clear()
+    _INPUT_TOPICS[topic] = known
+    return known
 
 
 class MqttServer:
