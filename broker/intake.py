@@ -99,7 +99,8 @@ class FixIntake:
         where: list[int] = []
         previous: dict[str, float | None] = {}
         last_t = self._last_t
-        take = self._update_buckets.take
+        buckets = self._update_buckets
+        take, bucket_now = buckets.take, buckets.clock()
         for i, (user, raw) in enumerate(items):
             if self.closing:
                 codes[i] = ReasonCode.SHUTDOWN
@@ -123,7 +124,7 @@ class FixIntake:
             if last is not None and t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
-            if not take(user):
+            if not take(user, now=bucket_now):
                 codes[i] = ReasonCode.RATE_LIMITED
                 continue
             if user not in previous:
@@ -190,8 +191,13 @@ class FixIntake:
         coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
         task = asyncio.create_task(coro)
         users = {user for user, _ in items}
+        in_flight = self._fixes_in_flight
         for user in users:
-            self._fixes_in_flight.setdefault(user, set()).add(task)
+            tasks = in_flight.get(user)
+            if tasks is None:
+                in_flight[user] = {task}
+            else:
+                tasks.add(task)
 
         def decided(done: asyncio.Task[FixResult]) -> None:
             for user in users:

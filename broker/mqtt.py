@@ -82,6 +82,8 @@ class MqttDoor:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_fixes: list[tuple[str, Any]] = []
         self._topics: dict[str, tuple[str, str, bool] | None] = {}
+        self._received = dict.fromkeys(INPUT_KINDS, 0)  # counted into the metric once per loop turn
+        self._received_flush: asyncio.Handle | None = None
         self._pending_done: asyncio.Future[Any] | None = None
         self._held: asyncio.Future[Any] | None = None  # never done: messages received while closing
         self.connections = config.mqtt.ingest_connections
@@ -306,7 +308,9 @@ class MqttDoor:
         if parsed is None:
             return None
         kind, user, user_ok = parsed
-        self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
+        self._received[kind] += 1
+        if self._received_flush is None:
+            self._received_flush = asyncio.get_running_loop().call_soon(self._count_received)
         if retain:
             self._drop(kind, "retained")
             return None
@@ -351,6 +355,14 @@ class MqttDoor:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
+
+    def _count_received(self) -> None:
+        """``kcloak_messages_total`` for the messages of this loop turn (one increment per topic kind)."""
+        self._received_flush = None
+        for kind, n in self._received.items():
+            if n:
+                self.metrics.messages.labels(transport="mqtt", topic=kind).inc(n)
+                self._received[kind] = 0
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -86,6 +86,28 @@ def valid_topic_filter(flt: str) -> bool:
     return True
 
 
+_TOPIC_NAMES: dict[bytes, str] = {}
+TOPIC_NAME_CACHE = 65_536
+"""PUBLISH topics already read and found valid (cleared when full; see :func:`_topic_name`)."""
+
+
+def _topic_name(raw: bytes) -> str:
+    """A PUBLISH's topic name: strict MQTT UTF-8 (no NUL) and no wildcard, else :class:`MalformedFrame`.
+    Remembered, since every app publishes on the same few topics over and over."""
+    try:
+        topic = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MalformedFrame("not UTF-8") from None
+    if "\x00" in topic:
+        raise MalformedFrame("NUL in a string")
+    if not valid_topic_name(topic):
+        raise MalformedFrame("bad topic name")
+    if len(_TOPIC_NAMES) >= TOPIC_NAME_CACHE:
+        _TOPIC_NAMES.clear()
+    _TOPIC_NAMES[raw] = topic
+    return topic
+
+
 def topic_matches(flt: str, topic: str) -> bool:
     """MQTT topic-filter matching (``+`` one level, ``#`` the rest, parent included)."""
     f, t = flt.split("/"), topic.split("/")
@@ -443,9 +465,14 @@ class _Connection(asyncio.Protocol):
         qos, retain = (first >> 1) & 3, bool(first & 1)
         if qos == 3:
             raise MalformedFrame("QoS 3")
-        topic, pos = read_str(self.buf, i, end)
-        if not valid_topic_name(topic):
-            raise MalformedFrame("bad topic name")
+        buf = self.buf
+        pos = i + 2 + read_u16(buf, i, end)
+        if pos > end:
+            raise MalformedFrame("field beyond the packet")
+        raw = bytes(buf[i + 2 : pos])
+        topic = _TOPIC_NAMES.get(raw)
+        if topic is None:
+            topic = _topic_name(raw)
         pid = 0
         if qos:
             pid = read_u16(self.buf, pos, end)
