@@ -42,6 +42,7 @@ from kcloak.wire.mqtt_codec import (
     UNSUBACK,
     UNSUBSCRIBE,
     MalformedFrame,
+    decode_str,
     encode_ack,
     encode_connack,
     encode_packet,
@@ -94,12 +95,7 @@ TOPIC_NAME_CACHE = 65_536
 def _topic_name(raw: bytes) -> str:
     """A PUBLISH's topic name: strict MQTT UTF-8 (no NUL) and no wildcard, else :class:`MalformedFrame`.
     Remembered, since every app publishes on the same few topics over and over."""
-    try:
-        topic = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedFrame("not UTF-8") from None
-    if "\x00" in topic:
-        raise MalformedFrame("NUL in a string")
+    topic = decode_str(raw)
     if not valid_topic_name(topic):
         raise MalformedFrame("bad topic name")
     if len(_TOPIC_NAMES) >= TOPIC_NAME_CACHE:
