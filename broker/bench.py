@@ -612,6 +612,10 @@ def _cpu_of(pids: list[int]) -> list[float | None]:
     return [cpu_seconds(pid) for pid in pids]
 
 
+WORKER_SPARE_S = 30.0
+"""Seconds a phase's workers may run beyond the phase's duration (they are stopped once it is measured)."""
+
+
 def _run_phase(
     target: Any,
     args_for: list[tuple[Any, ...]],
@@ -624,14 +628,18 @@ def _run_phase(
     the CPU the server process (``server_pid``) and the workers (with ``extra_generators``, other
     processes of the load side such as a counting subscriber) spent over the same interval."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_for]
+    duration = args_for[0][2]
+    # Workers start only after their interpreter has started and imported the bench (seconds on a
+    # busy host), so the clock starts when the server counts the first of their work, not when they
+    # were spawned; they are given time to spare and stopped once the interval is measured, so that
+    # they are still sending during all of it (a server with a backlog would otherwise be measured
+    # partly idle, and the generators' CPU over the interval would read zero).
+    procs = [
+        ctx.Process(target=target, args=(*a[:2], duration + WORKER_SPARE_S, *a[3:]), daemon=True) for a in args_for
+    ]
     for p in procs:
         p.start()
-    duration = args_for[0][2]
     warm = min(1.0, duration / 5)
-    # Each worker runs ``duration`` from its own start, which comes only after its interpreter has
-    # started and imported the bench (about a second on a busy host): the clock starts when the
-    # server counts the first of their work, not when the processes were spawned.
     started = _wait_for_movement(sample, procs)
     time.sleep(max(started + warm - time.monotonic(), 0.0))
     pids = [p.pid for p in procs if p.pid is not None] + extra_generators
@@ -639,6 +647,8 @@ def _run_phase(
     c0, g0, m0, t0 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
     time.sleep(max(started + duration - warm - t0, 0.5))
     c1, g1, m1, t1 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
+    for p in procs:
+        p.terminate()
     for p in procs:
         p.join()
     wall = t1 - t0
