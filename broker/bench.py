@@ -592,20 +592,17 @@ def cpu_seconds(pid: int) -> float | None:
 @dataclass(slots=True)
 class Phase:
     """What one load phase measured over the middle of its run: the rates of what the server
-    counted, the server's CPU seconds per second (None without a server pid or ``/proc``), and the
-    load generators' CPU seconds per second, summed (``generator_cpu_cores``) and of the busiest
-    process (``generator_cpu_max``: near 1.0, that generator had a whole core and may be the bottleneck)."""
+    counted, and the load generators' CPU seconds per second, summed (``generator_cpu_cores``) and
+    of the busiest process (``generator_cpu_max``: near 1.0, that generator had a whole core and
+    may be the bottleneck). ``cpu_us_per_item``: the server's CPU microseconds per item of the first
+    counter from the start of that interval until the server had worked off what it had received
+    (so a backlog it had read but not yet counted at the interval's end is neither missed nor
+    charged to the interval); None without a server pid or ``/proc``."""
 
     rates: list[float]
-    server_cpu: float | None
+    cpu_us_per_item: float | None
     generator_cpu_cores: float | None
     generator_cpu_max: float | None
-
-    def cpu_us_per(self, rate: float) -> float | None:
-        """Server CPU microseconds per counted item at ``rate`` items/s."""
-        if self.server_cpu is None or rate <= 0:
-            return None
-        return round(self.server_cpu / rate * 1e6, 2)
 
 
 def _cpu_of(pids: list[int]) -> list[float | None]:
@@ -646,20 +643,37 @@ def _run_phase(
     server = [] if server_pid is None else [server_pid]
     c0, g0, m0, t0 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
     time.sleep(max(started + duration - warm - t0, 0.5))
-    c1, g1, m1, t1 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
+    g1, m1, t1 = _cpu_of(pids), sample(), time.monotonic()
     for p in procs:
         p.terminate()
     for p in procs:
         p.join()
+    drained = _drained(sample)
+    c2 = _cpu_of(server)
     wall = t1 - t0
-    server_cpu = None if not server or c0[0] is None or c1[0] is None else (c1[0] - c0[0]) / wall
+    cpu_us: float | None = None
+    if server and c0[0] is not None and c2[0] is not None and drained[0] > m0[0]:
+        cpu_us = round((c2[0] - c0[0]) / (drained[0] - m0[0]) * 1e6, 2)
     spent = [(b - a) / wall for a, b in zip(g0, g1, strict=True) if a is not None and b is not None]
     return Phase(
         rates=[(b - a) / wall for a, b in zip(m0, m1, strict=True)],
-        server_cpu=server_cpu,
+        cpu_us_per_item=cpu_us,
         generator_cpu_cores=round(sum(spent), 3) if spent else None,
         generator_cpu_max=round(max(spent), 3) if spent else None,
     )
+
+
+def _drained(sample: Callable[[], list[float]], timeout_s: float = 60.0) -> list[float]:
+    """The counters once they have stopped moving (the server has worked off its backlog)."""
+    deadline = time.monotonic() + timeout_s
+    last = sample()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = sample()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def _metric_sampler(http_port: int, metric: str, needle_sets: list[tuple[str, ...]]) -> Callable[[], list[float]]:
@@ -722,7 +736,7 @@ def _yardstick(name: str, phase: Phase) -> dict[str, Any]:
     return {
         "name": name,
         "per_s": round(rate, 1),
-        "cpu_us_per_item": phase.cpu_us_per(rate),
+        "cpu_us_per_item": phase.cpu_us_per_item,
         "generator_cpu_cores": phase.generator_cpu_cores,
         "generator_cpu_max": phase.generator_cpu_max,
     }
@@ -734,7 +748,7 @@ def _intake(phase: Phase, yardstick: dict[str, Any]) -> dict[str, Any]:
     base = yardstick.get("per_s")
     return {
         "updates_per_s": round(rate, 1),
-        "cpu_us_per_fix": phase.cpu_us_per(rate),
+        "cpu_us_per_fix": phase.cpu_us_per_item,
         "update_generator_cpu_cores": phase.generator_cpu_cores,
         "update_generator_cpu_max": phase.generator_cpu_max,
         "yardstick": yardstick,
