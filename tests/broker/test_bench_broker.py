@@ -126,3 +126,16 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
             await asyncio.gather(answerer, return_exceptions=True)
     assert len(most) == 2
     assert all(QUERY_WINDOW // 2 <= n <= QUERY_WINDOW for n in most.values()), most
+
+
+def test_zero_queries_per_s_always_comes_with_a_reason() -> None:
+    from kcloak.broker.bench import _queries_note
+
+    refused = 'kcloak_queries_total{kind="knn",reason="overloaded",status="refused",transport="mqtt"}'
+    other = 'kcloak_queries_total{kind="knn",reason="rate_limited",status="refused",transport="http"}'
+    before = {refused: 5.0, other: 1.0}
+    after = {refused: 905.0, other: 9.0}
+    assert _queries_note(12.5, 0.0, 20.0, before, after, "mqtt") is None
+    assert _queries_note(0.0, 300.0, 300.0, before, after, "mqtt") == "every query was refused (overloaded)"
+    assert "received no mqtt query" in (_queries_note(0.0, 0.0, 0.0, before, before, "mqtt") or "")
+    assert "none answered" in (_queries_note(0.0, 0.0, 40.0, before, before, "mqtt") or "")
