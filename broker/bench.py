@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,11 +141,20 @@ def instant_upstream() -> Iterator[str]:
 
 @contextlib.contextmanager
 def mosquitto(workdir: Path) -> Iterator[tuple[int, str]]:
+    """A mosquitto on a free loopback port, configured as ``kcloak mosquitto-config`` would (open
+    mode): ``(port, version label)``. FileNotFoundError when mosquitto is not installed."""
+    with _mosquitto_process(workdir) as (port, label, _):
+        yield port, label
+
+
+@contextlib.contextmanager
+def _mosquitto_process(workdir: Path) -> Iterator[tuple[int, str, int]]:
     from kcloak.broker.mosquitto import durability_lines
 
     exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
     if exe is None:
         raise FileNotFoundError("mosquitto")
+    workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = workdir / "mosquitto.conf"
     # Persistence and limits as kcloak mosquitto-config writes them, so the bench runs as deployed.
@@ -158,7 +167,7 @@ def mosquitto(workdir: Path) -> Iterator[tuple[int, str]]:
     proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_port(port)
-        yield port, label
+        yield port, label, proc.pid
     finally:
         proc.terminate()
         proc.wait(5)
@@ -459,50 +468,238 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
     return [items[i::parts] for i in range(parts)]
 
 
-# -- phases ----------------------------------------------------------------------------------------
-def _measure(http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, *needles: str) -> float:
-    """Run workers; return the broker-side rate of ``metric`` over the middle of the run."""
-    return _measure_all(http_port, target, args_for, metric, [needles])[0]
+# -- yardsticks (the bench's own servers, in child processes) --------------------------------------
+def _count_subscriber(port: int, topic_filter: str, count: Any, ready: Any, stop: Any) -> None:
+    """An MQTT 3.1.1 subscriber on a raw socket that counts the PUBLISHes it receives on
+    ``topic_filter`` (QoS 0) into ``count``: parsing fixed headers only, it keeps up with far more
+    messages per second than the servers it measures."""
+    import socket
+
+    from kcloak.wire.mqtt_codec import PUBLISH, SUBACK, encode_connect, encode_subscribe, split_frames
+
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(encode_connect(f"bench-count-{os.getpid()}", username=None, password=None, keepalive_s=0))
+        sock.sendall(encode_subscribe(1, [topic_filter], qos=0))
+        sock.settimeout(0.2)
+        buf = bytearray()
+        n = 0
+        while not stop.is_set():
+            try:
+                chunk = sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            if not chunk:
+                return
+            buf += chunk
+            frames, pos = split_frames(buf)
+            for first, _, _ in frames:
+                if first >> 4 == PUBLISH:
+                    n += 1
+                elif first >> 4 == SUBACK:
+                    ready.set()
+            del buf[:pos]
+            count.value = n
 
 
-def _measure_all(
-    http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, needle_sets: list[tuple[str, ...]]
-) -> list[float]:
-    """Run workers; the broker-side rate of ``metric`` (one per set of label needles) over the middle of the run."""
+def _empty_http_server(port: int, count: Any, ready: Any, stop: Any) -> None:
+    """aiohttp with an empty handler on kcloak's single-fix route: it counts the request into
+    ``count`` and answers what kcloak answers an accepted fix, without reading or checking anything."""
+    from kcloak.broker.http_server import ACCEPTED_ONE
+
+    async def empty(request: web.Request) -> web.Response:
+        count.value += 1
+        return web.Response(body=ACCEPTED_ONE, content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/users/{user}/location", empty)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _counting_child(target: Any, *args: Any) -> Iterator[tuple[Callable[[], list[float]], int]]:
+    """Run ``target(*args, count, ready, stop)`` in a child process until the block ends; yields a
+    sampler of its count (for :func:`_run_phase`) and its pid."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_for]
+    count = ctx.RawValue("q", 0)
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, count, ready, stop), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(30):
+            raise TimeoutError(f"{target.__name__} did not start")
+        assert proc.pid is not None
+        yield (lambda: [float(count.value)]), proc.pid
+    finally:
+        stop.set()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+
+
+def mosquitto_pass_through(
+    workdir: Path, users: list[tuple[str, float, float]], duration_s: float, parts: int, client: str
+) -> tuple[str, Phase]:
+    """The MQTT yardstick: the fix generators of the MQTT phase (same client, users and payloads,
+    QoS 0) publishing into a mosquitto of its own, whose deliveries one subscriber of
+    ``kcloak/v1/update/+`` counts. Returns mosquitto's version label and the phase (the server CPU
+    is mosquitto's)."""
+    with contextlib.ExitStack() as stack:
+        port, label, pid = stack.enter_context(_mosquitto_process(workdir))
+        sample, counter_pid = stack.enter_context(_counting_child(_count_subscriber, port, "kcloak/v1/update/+"))
+        phase = _run_phase(
+            _mqtt_update_worker,
+            [(port, part, duration_s, client) for part in _split(users, parts)],
+            sample,
+            pid,
+            extra_generators=[counter_pid],
+        )
+    return label, phase
+
+
+def empty_http_handler(users: list[tuple[str, float, float]], duration_s: float, parts: int) -> Phase:
+    """The HTTP yardstick: the single-fix generators of the HTTP phase against aiohttp with an empty
+    handler (:func:`_empty_http_server`, a process of its own, whose CPU is the phase's server CPU)."""
+    port = free_port()
+    with _counting_child(_empty_http_server, port) as (sample, pid):
+        return _run_phase(_http_update_worker, [(port, part, duration_s) for part in _split(users, parts)], sample, pid)
+
+
+# -- phases ----------------------------------------------------------------------------------------
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat`` utime + stime), or
+    None where there is no such file (the process has ended, or the system has no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: count fields after it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@dataclass(slots=True)
+class Phase:
+    """What one load phase measured over the middle of its run: the rates of what the server
+    counted, and the load generators' CPU seconds per second, summed (``generator_cpu_cores``) and
+    of the busiest process (``generator_cpu_max``: near 1.0, that generator had a whole core and
+    may be the bottleneck). ``cpu_us_per_item``: the server's CPU microseconds per item of the first
+    counter from the start of that interval until the server had worked off what it had received
+    (so a backlog it had read but not yet counted at the interval's end is neither missed nor
+    charged to the interval); None without a server pid or ``/proc``."""
+
+    rates: list[float]
+    cpu_us_per_item: float | None
+    generator_cpu_cores: float | None
+    generator_cpu_max: float | None
+
+
+def _cpu_of(pids: list[int]) -> list[float | None]:
+    return [cpu_seconds(pid) for pid in pids]
+
+
+WORKER_SPARE_S = 30.0
+"""Seconds a phase's workers may run beyond the phase's duration (they are stopped once it is measured)."""
+
+
+def _run_phase(
+    target: Any,
+    args_for: list[tuple[Any, ...]],
+    sample: Callable[[], list[float]],
+    server_pid: int | None,
+    *,
+    extra_generators: list[int] = [],  # noqa: B006 (never mutated)
+) -> Phase:
+    """Run workers; the rate of each counter that ``sample`` reads, over the middle of the run, with
+    the CPU the server process (``server_pid``) and the workers (with ``extra_generators``, other
+    processes of the load side such as a counting subscriber) spent over the same interval."""
+    ctx = mp.get_context("spawn")
+    duration = args_for[0][2]
+    # Workers start only after their interpreter has started and imported the bench (seconds on a
+    # busy host), so the clock starts when the server counts the first of their work, not when they
+    # were spawned; they are given time to spare and stopped once the interval is measured, so that
+    # they are still sending during all of it (a server with a backlog would otherwise be measured
+    # partly idle, and the generators' CPU over the interval would read zero).
+    procs = [
+        ctx.Process(target=target, args=(*a[:2], duration + WORKER_SPARE_S, *a[3:]), daemon=True) for a in args_for
+    ]
     for p in procs:
         p.start()
-    duration = args_for[0][2]
     warm = min(1.0, duration / 5)
-    # Each worker runs ``duration`` from its own start, which comes only after its interpreter has
-    # started and imported the bench (about a second on a busy host): the clock starts when the
-    # broker sees the first of their work, not when the processes were spawned.
-    started = _wait_for_movement(http_port, metric, needle_sets, procs)
+    started = _wait_for_movement(sample, procs)
     time.sleep(max(started + warm - time.monotonic(), 0.0))
-    m0, t0 = scrape(http_port), time.monotonic()
+    pids = [p.pid for p in procs if p.pid is not None] + extra_generators
+    server = [] if server_pid is None else [server_pid]
+    c0, g0, m0, t0 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
     time.sleep(max(started + duration - warm - t0, 0.5))
-    m1, t1 = scrape(http_port), time.monotonic()
+    g1, m1, t1 = _cpu_of(pids), sample(), time.monotonic()
+    for p in procs:
+        p.terminate()
     for p in procs:
         p.join()
-    return [(_sum(m1, metric, *needles) - _sum(m0, metric, *needles)) / (t1 - t0) for needles in needle_sets]
+    drained = _drained(sample)
+    c2 = _cpu_of(server)
+    wall = t1 - t0
+    cpu_us: float | None = None
+    if server and c0[0] is not None and c2[0] is not None and drained[0] > m0[0]:
+        cpu_us = round((c2[0] - c0[0]) / (drained[0] - m0[0]) * 1e6, 2)
+    spent = [(b - a) / wall for a, b in zip(g0, g1, strict=True) if a is not None and b is not None]
+    return Phase(
+        rates=[(b - a) / wall for a, b in zip(m0, m1, strict=True)],
+        cpu_us_per_item=cpu_us,
+        generator_cpu_cores=round(sum(spent), 3) if spent else None,
+        generator_cpu_max=round(max(spent), 3) if spent else None,
+    )
 
 
-def _wait_for_movement(
-    http_port: int,
-    metric: str,
-    needle_sets: list[tuple[str, ...]],
-    procs: list[Any],
-    timeout_s: float = 30.0,
-) -> float:
-    """The monotonic time at which ``metric`` (any needle set) first moved, polled every 20 ms; the
-    time of giving up if the workers end or ``timeout_s`` passes first (the rate is then what it is)."""
-    m = scrape(http_port)
-    base = [_sum(m, metric, *needles) for needles in needle_sets]
+def _drained(sample: Callable[[], list[float]], timeout_s: float = 60.0) -> list[float]:
+    """The counters once they have stopped moving (the server has worked off its backlog)."""
+    deadline = time.monotonic() + timeout_s
+    last = sample()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = sample()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _metric_sampler(http_port: int, metric: str, needle_sets: list[tuple[str, ...]]) -> Callable[[], list[float]]:
+    """A sampler of the broker's ``metric`` (one sum per set of label needles) for :func:`_run_phase`."""
+
+    def sample() -> list[float]:
+        m = scrape(http_port)
+        return [_sum(m, metric, *needles) for needles in needle_sets]
+
+    return sample
+
+
+def _measure(
+    http_port: int, target: Any, args_for: list[tuple[Any, ...]], metric: str, *needles: str, server_pid: int | None
+) -> Phase:
+    """Run workers; the broker-side rate of ``metric`` over the middle of the run, and the CPU spent."""
+    return _run_phase(target, args_for, _metric_sampler(http_port, metric, [needles]), server_pid)
+
+
+def _wait_for_movement(sample: Callable[[], list[float]], procs: list[Any], timeout_s: float = 30.0) -> float:
+    """The monotonic time at which a counter of ``sample`` first moved, polled every 20 ms; the time
+    of giving up if the workers end or ``timeout_s`` passes first (the rate is then what it is)."""
+    base = sample()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        m = scrape(http_port)
-        if any(_sum(m, metric, *needles) != b for needles, b in zip(needle_sets, base, strict=True)):
+        if sample() != base:
             break
         time.sleep(0.02)
     return time.monotonic()
@@ -532,6 +729,68 @@ def _preload(http_port: int, users: list[tuple[str, float, float]]) -> None:
         )
         with urllib.request.urlopen(req, timeout=30) as resp:
             resp.read()
+
+
+def _yardstick(name: str, phase: Phase) -> dict[str, Any]:
+    rate = phase.rates[0]
+    return {
+        "name": name,
+        "per_s": round(rate, 1),
+        "cpu_us_per_item": phase.cpu_us_per_item,
+        "generator_cpu_cores": phase.generator_cpu_cores,
+        "generator_cpu_max": phase.generator_cpu_max,
+    }
+
+
+def _intake(phase: Phase, yardstick: dict[str, Any]) -> dict[str, Any]:
+    """A transport's fix intake beside its yardstick, as the row's fields."""
+    rate = phase.rates[0]
+    base = yardstick.get("per_s")
+    return {
+        "updates_per_s": round(rate, 1),
+        "cpu_us_per_fix": phase.cpu_us_per_item,
+        "update_generator_cpu_cores": phase.generator_cpu_cores,
+        "update_generator_cpu_max": phase.generator_cpu_max,
+        "yardstick": yardstick,
+        "updates_vs_yardstick": round(rate / base, 3) if base else None,
+    }
+
+
+def _query_sampler(http_port: int, transport: str) -> Callable[[], list[float]]:
+    """Queries answered ok, refused, and received (``kcloak_messages_total`` of the query topic)."""
+    where = f'transport="{transport}"'
+    return _metric_sampler(
+        http_port,
+        "kcloak_",
+        [
+            ("kcloak_queries_total", where, 'status="ok"'),
+            ("kcloak_queries_total", where, 'status="refused"'),
+            ("kcloak_messages_total", where, 'topic="query"'),
+        ],
+    )
+
+
+def _queries_note(
+    qps: float, refused: float, received: float, before: dict[str, float], after: dict[str, float], transport: str
+) -> str | None:
+    """Why no query was answered ok (None when some were): what the broker received, refused or dropped."""
+    if qps > 0:
+        return None
+    if received <= 0:
+        return f"the broker received no {transport} query during the phase (the query generators sent none it saw)"
+    if refused > 0:
+        reasons = sorted(
+            {
+                k.split('reason="')[1].split('"')[0]
+                for k, v in after.items()
+                if k.startswith("kcloak_queries_total")
+                and f'transport="{transport}"' in k
+                and 'status="refused"' in k
+                and v > before.get(k, 0.0)
+            }
+        )
+        return f"every query was refused ({', '.join(reasons) or 'see kcloak_queries_total'})"
+    return f"{received:.0f} queries/s received, none answered within the phase (see kcloak_messages_dropped_total)"
 
 
 def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, Any]:
@@ -571,18 +830,32 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 args += ["--mqtt", "embedded", "--mqtt-listen", f"127.0.0.1:{mqtt_port}"]
             else:
                 args += ["--mqtt", mode, "--mqtt-ingest-connections", "2"]
-            stack.enter_context(serve_process(args))
+            server = stack.enter_context(serve_process(args))
             wait_healthy(http_port)
             d = cfg.duration_s
+            update_client = _update_client(cfg.mqtt_client)
+            say("mqtt yardstick: mosquitto pass-through")
+            try:
+                mosquitto_label, mqtt_yard = mosquitto_pass_through(
+                    workdir / "yardstick", users, d, parts, update_client
+                )
+                mqtt_yardstick: dict[str, Any] = _yardstick(
+                    f"{mosquitto_label} pass-through to a counting subscriber", mqtt_yard
+                )
+            except FileNotFoundError:
+                mqtt_yardstick = {"name": "mosquitto pass-through (not measured: mosquitto is not installed)"}
             say("mqtt updates")
             mqtt_updates = _measure(
                 http_port,
                 _mqtt_update_worker,
-                [(mqtt_port, part, d, _update_client(cfg.mqtt_client)) for part in _split(users, parts)],
+                [(mqtt_port, part, d, update_client) for part in _split(users, parts)],
                 "kcloak_updates_accepted_total",
                 'transport="mqtt"',
+                server_pid=server.pid,
             )
             _quiesce(http_port)
+            say("http yardstick: empty aiohttp handler")
+            http_yardstick = _yardstick("empty aiohttp handler", empty_http_handler(users, d, parts))
             say("http updates")
             http_updates = _measure(
                 http_port,
@@ -590,7 +863,12 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 [(http_port, part, d) for part in _split(users, parts)],
                 "kcloak_updates_accepted_total",
                 'transport="http"',
+                server_pid=server.pid,
             )
+            intake = {
+                "mqtt": _intake(mqtt_updates, mqtt_yardstick),
+                "http": _intake(http_updates, http_yardstick),
+            }
             _preload(http_port, users)
             for transport, worker, port in (
                 ("mqtt", _mqtt_query_worker, mqtt_port),
@@ -601,13 +879,15 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 extra = (_query_client(cfg.mqtt_client),) if transport == "mqtt" else ()
                 say(f"{transport} queries")
                 # Sustained = answered ok; refusals (overloaded above all) are reported beside it.
-                qps, refused_qps = _measure_all(
-                    http_port,
+                q_before = scrape(http_port)
+                queries = _run_phase(
                     worker,
                     [(port, part, d, None, f"max{i}", *extra) for i, part in enumerate(_split(users, parts))],
-                    "kcloak_queries_total",
-                    [(f'transport="{transport}"', 'status="ok"'), (f'transport="{transport}"', 'status="refused"')],
+                    _query_sampler(http_port, transport),
+                    server.pid,
                 )
+                qps, refused_qps, received_qps = queries.rates
+                note = _queries_note(qps, refused_qps, received_qps, q_before, scrape(http_port), transport)
                 _quiesce(http_port)
                 _preload(http_port, users)
                 say(f"{transport} latency at {qps / 2:.0f} queries/s")
@@ -624,18 +904,19 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 after = scrape(http_port)
                 p50 = histogram_quantile(before, after, transport, 0.5)
                 p99 = histogram_quantile(before, after, transport, 0.99)
-                rows.append(
-                    {
-                        "transport": transport,
-                        "mqtt": label,
-                        "mqtt_client": cfg.mqtt_client,
-                        "users": cfg.users,
-                        "updates_per_s": round(mqtt_updates if transport == "mqtt" else http_updates, 1),
-                        "queries_per_s": round(qps, 1),
-                        "queries_refused_per_s": round(refused_qps, 1),
-                        "latency_at_qps": round(qps / 2, 1),
-                        "added_latency_ms_p50": None if p50 is None else round(p50 * 1000, 3),
-                        "added_latency_ms_p99": None if p99 is None else round(p99 * 1000, 3),
-                    }
-                )
+                row: dict[str, Any] = {
+                    "transport": transport,
+                    "mqtt": label,
+                    "mqtt_client": cfg.mqtt_client,
+                    "users": cfg.users,
+                    "updates_per_s": intake[transport]["updates_per_s"],
+                    "queries_per_s": round(qps, 1),
+                    "queries_refused_per_s": round(refused_qps, 1),
+                    "latency_at_qps": round(qps / 2, 1),
+                    "added_latency_ms_p50": None if p50 is None else round(p50 * 1000, 3),
+                    "added_latency_ms_p99": None if p99 is None else round(p99 * 1000, 3),
+                    **{k: v for k, v in intake[transport].items() if k != "updates_per_s"},
+                    "queries_note": note,
+                }
+                rows.append(row)
     return {"bench": "broker", "algorithm": cfg.algorithm, "duration_s": cfg.duration_s, "results": rows}

@@ -42,6 +42,7 @@ from kcloak.wire.payloads import (
     InvalidInput,
     MalformedJson,
     ascii_int,
+    decode_fix,
     parse_fix,
     parse_json_object,
     valid_user_id,
@@ -219,6 +220,12 @@ async def auth_middleware(
 
 
 async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
+    return _parse_body(await _raw_body(request, limit))
+
+
+async def _raw_body(request: web.Request, limit: int) -> bytes:
+    """The body of a JSON request, not yet parsed: 415, 413 and a body not received in time as
+    :func:`_json_body` refuses them."""
     ctype = request.content_type
     if ctype != "application/json":
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
@@ -232,7 +239,7 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
         raise HttpError(ReasonCode.INVALID, f"body: not received within {timeout_s:g} s", close=True) from None
     except (ConnectionError, web.RequestPayloadError, HttpProcessingError):
         raise HttpError(ReasonCode.INVALID, "body: incomplete or badly framed", close=True) from None
-    return _parse_body(raw)
+    return raw
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -266,24 +273,29 @@ def _user(request: web.Request) -> str:
 
 
 # -- fixes -------------------------------------------------------------------------------------
-_ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
+ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
 
 
 async def post_location(request: web.Request) -> web.Response:
     user = _user(request)
     cfg = request.app[CONFIG]
-    body = await _json_body(request, cfg.limits.body_bytes)
+    raw = await _raw_body(request, cfg.limits.body_bytes)
+    # A well-formed fix is decoded and checked in one pass; anything else takes the full path,
+    # which names the reason (a body that is not JSON, or the field and rule a fix breaks).
+    fix = decode_fix(raw)
+    body = _parse_body(raw) if fix is None else None
     pipeline = request.app[PIPELINE]
     pipeline.metrics.messages.labels(transport="http", topic="update").inc()
-    try:
-        fix, _ = parse_fix(body)
-    except InvalidInput as exc:
-        pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
-        raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
+    if fix is None:
+        try:
+            fix, _ = parse_fix(body)
+        except InvalidInput as exc:
+            pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
+            raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
     res = await pipeline.enqueue_fixes("http", [(user, fix)])
     code = res.codes[0]
     if code is None:
-        return web.Response(body=_ACCEPTED_ONE, content_type="application/json")
+        return web.Response(body=ACCEPTED_ONE, content_type="application/json")
     if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
         return web.json_response({"accepted": 0, "rejected": [{"index": 0, "code": code.value}]})
     messages = {

@@ -87,44 +87,82 @@ class FixIntake:
         return len(latest)
 
     async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``."""
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
+
+        The checks, in contract §1 order, per fix: shutdown, types and ranges, clock skew, age,
+        order (newer than the user's last accepted fix, this call's earlier fixes included), rate."""
         now = self.clock()
         cfg = self.cloaking
-        result = FixResult([None] * len(items))
-        accepted: list[tuple[int, str, Fix]] = []
+        newest, oldest = now + cfg.max_clock_skew_s, now - cfg.max_update_age_s
+        codes: list[ReasonCode | None] = [None] * len(items)
+        rows: list[tuple[str, float, float, float]] = []
+        where: list[int] = []
         previous: dict[str, float | None] = {}
+        last_t = self._last_t
+        buckets = self._update_buckets
+        take, bucket_now = buckets.take, buckets.clock()
         for i, (user, raw) in enumerate(items):
-            code = self._check_fix(user, raw, now, cfg.max_clock_skew_s, cfg.max_update_age_s)
-            if isinstance(code, ReasonCode):
-                result.codes[i] = code
+            if self.closing:
+                codes[i] = ReasonCode.SHUTDOWN
                 continue
-            accepted.append((i, user, code))
-            previous.setdefault(user, self._last_t.get(user))
-            self._last_t[user] = code.t
-        if accepted and not self.movement.writer.try_reserve(len(accepted)):
-            for i, _, _ in accepted:
-                result.codes[i] = ReasonCode.OVERLOADED
-            accepted = []
-            self._restore_last_t(previous)
-        if accepted:
+            if isinstance(raw, Fix):
+                fix = raw
+            else:
+                try:
+                    fix, _ = parse_fix(raw)
+                except InvalidInput:
+                    codes[i] = ReasonCode.INVALID
+                    continue
+            t = fix.t
+            if t > newest:
+                codes[i] = ReasonCode.INVALID
+                continue
+            if t < oldest:
+                codes[i] = ReasonCode.TOO_OLD
+                continue
+            last = last_t.get(user)
+            if last is not None and t <= last:
+                codes[i] = ReasonCode.OUT_OF_ORDER
+                continue
+            if not take(user, now=bucket_now):
+                codes[i] = ReasonCode.RATE_LIMITED
+                continue
+            if user not in previous:
+                previous[user] = last
+            last_t[user] = t
+            rows.append((user, t, fix.lat, fix.lon))
+            where.append(i)
+        if rows and not self.movement.writer.try_reserve(len(rows)):
+            self._refuse(codes, where, previous)
+            rows = []
+        if rows:
             try:
-                await self.movement.append(((u, f.t, f.lat, f.lon) for _, u, f in accepted), reserved=True)
+                await self.movement.append(rows, reserved=True)
             except Exception:
-                log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(accepted))
-                for i, _, _ in accepted:
-                    result.codes[i] = ReasonCode.OVERLOADED
-                accepted = []
-                self._restore_last_t(previous)
-            self.positions.apply((user, fix.t, fix.lat, fix.lon) for _, user, fix in accepted)
-        n_ok = sum(1 for outcome in result.codes if outcome is None)
+                log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(rows))
+                self._refuse(codes, where, previous)
+                rows = []
+            self.positions.apply(rows)
+        n_ok = len(rows)
         if n_ok:
             self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)
-        if n_ok != len(result.codes):
-            for outcome in result.codes:
+        if n_ok != len(codes):
+            for outcome in codes:
                 if outcome is not None:
                     self.metrics.updates_rejected.labels(transport=transport, reason=outcome.value).inc()
         self.metrics.users_indexed.set(len(self.positions))
-        return result
+        return FixResult(codes)
+
+    def _refuse(self, codes: list[ReasonCode | None], where: list[int], previous: dict[str, float | None]) -> None:
+        """The fixes at ``where`` passed every check but cannot be stored: ``overloaded``, and each
+        user's last accepted time back to what it was before this call."""
+        for i in where:
+            codes[i] = ReasonCode.OVERLOADED
+        for user, t in previous.items():
+            if t is None:
+                self._last_t.pop(user, None)
+            else:
+                self._last_t[user] = t
 
     async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
         """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes
@@ -153,8 +191,13 @@ class FixIntake:
         coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
         task = asyncio.create_task(coro)
         users = {user for user, _ in items}
+        in_flight = self._fixes_in_flight
         for user in users:
-            self._fixes_in_flight.setdefault(user, set()).add(task)
+            tasks = in_flight.get(user)
+            if tasks is None:
+                in_flight[user] = {task}
+            else:
+                tasks.add(task)
 
         def decided(done: asyncio.Task[FixResult]) -> None:
             for user in users:
@@ -173,34 +216,6 @@ class FixIntake:
         tasks = self._fixes_in_flight.get(user)
         if tasks:
             await asyncio.wait(set(tasks))
-
-    def _restore_last_t(self, previous: dict[str, float | None]) -> None:
-        for user, t in previous.items():
-            if t is None:
-                self._last_t.pop(user, None)
-            else:
-                self._last_t[user] = t
-
-    def _check_fix(self, user: str, raw: Any, now: float, skew_s: float, max_age_s: float) -> Fix | ReasonCode:
-        if self.closing:
-            return ReasonCode.SHUTDOWN
-        if isinstance(raw, Fix):
-            fix = raw
-        else:
-            try:
-                fix, _ = parse_fix(raw)
-            except InvalidInput:
-                return ReasonCode.INVALID
-        if fix.t > now + skew_s:
-            return ReasonCode.INVALID
-        if fix.t < now - max_age_s:
-            return ReasonCode.TOO_OLD
-        last = self._last_t.get(user)
-        if last is not None and fix.t <= last:
-            return ReasonCode.OUT_OF_ORDER
-        if not self._update_buckets.take(user):
-            return ReasonCode.RATE_LIMITED
-        return fix
 
 
 __all__ = ["FIX_CHUNK", "FixIntake", "FixResult"]

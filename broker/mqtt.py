@@ -33,11 +33,14 @@ from kcloak.broker.stores import StoreError
 from kcloak.core.logs import log_event
 from kcloak.core.profile import ProfileError
 from kcloak.wire.mqtt_client import Backoff, Incoming, MqttClient, MqttError
-from kcloak.wire.payloads import MalformedJson, parse_json_object, valid_query_id, valid_user_id
+from kcloak.wire.payloads import MalformedJson, decode_fix, parse_json_object, valid_query_id, valid_user_id
 
 log = logging.getLogger("kcloak.mqtt")
 
 TOPICS = INPUT_KINDS
+TOPIC_CACHE = 65_536
+"""Input topics whose reading :meth:`MqttDoor._topic` remembers (cleared when full): an app
+publishes on the same few topics, over and over."""
 ROOT = "kcloak/v1/"
 STATUS_TOPIC = ROOT + "broker/status"
 
@@ -78,6 +81,9 @@ class MqttDoor:
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending_fixes: list[tuple[str, Any]] = []
+        self._topics: dict[str, tuple[str, str, bool] | None] = {}
+        self._received = dict.fromkeys(INPUT_KINDS, 0)  # counted into the metric once per loop turn
+        self._received_flush: asyncio.Handle | None = None
         self._pending_done: asyncio.Future[Any] | None = None
         self._held: asyncio.Future[Any] | None = None  # never done: messages received while closing
         self.connections = config.mqtt.ingest_connections
@@ -284,16 +290,31 @@ class MqttDoor:
             self.metrics.messages.labels(transport="mqtt", topic=parsed[0]).inc()
             self._drop(parsed[0], reason)
 
-    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
+    def _topic(self, topic: str) -> tuple[str, str, bool] | None:
+        """``(kind, user, whether the user id is valid)`` of an input topic, None for any other."""
+        try:
+            return self._topics[topic]
+        except KeyError:
+            pass
         parsed = input_topic(topic)
+        known = None if parsed is None else (parsed[0], parsed[1], valid_user_id(parsed[1]))
+        if len(self._topics) >= TOPIC_CACHE:
+            self._topics.clear()
+        self._topics[topic] = known
+        return known
+
+    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
+        parsed = self._topic(topic)
         if parsed is None:
             return None
-        kind, user = parsed
-        self.metrics.messages.labels(transport="mqtt", topic=kind).inc()
+        kind, user, user_ok = parsed
+        self._received[kind] += 1
+        if self._received_flush is None:
+            self._received_flush = asyncio.get_running_loop().call_soon(self._count_received)
         if retain:
             self._drop(kind, "retained")
             return None
-        if not valid_user_id(user):
+        if not user_ok:
             self._drop(kind, "invalid")
             return None
         limit = self.config.limits.batch_bytes if kind == "updates" else self.config.limits.body_bytes
@@ -303,19 +324,28 @@ class MqttDoor:
         if self._inflight >= self.config.queues.ingest:
             self._drop(kind, "overloaded")
             return None
+        if kind == "update":
+            # A well-formed fix is decoded and checked in one pass; anything else takes the full
+            # path, which names the reason (malformed JSON is dropped here, a bad fix rejected later).
+            fix: Any = decode_fix(payload)
+            if fix is None:
+                try:
+                    fix = parse_json_object(payload)
+                except MalformedJson:
+                    self._drop(kind, "malformed_json")
+                    return None
+            # Single fixes are gathered over one loop iteration and stored in one write (they keep
+            # their arrival order, so per-user ordering rules apply as if handled one by one).
+            self._pending_fixes.append((user, fix))
+            if self._pending_done is None:
+                self._pending_done = asyncio.get_running_loop().create_future()
+                asyncio.get_running_loop().call_soon(self._flush_fixes)
+            return self._pending_done
         try:
             obj = parse_json_object(payload)
         except MalformedJson:  # whatever made it unparseable (parse_json_object raises nothing else)
             self._drop(kind, "malformed_json")
             return None
-        if kind == "update":
-            # Single fixes are gathered over one loop iteration and stored in one write (they keep
-            # their arrival order, so per-user ordering rules apply as if handled one by one).
-            self._pending_fixes.append((user, obj))
-            if self._pending_done is None:
-                self._pending_done = asyncio.get_running_loop().create_future()
-                asyncio.get_running_loop().call_soon(self._flush_fixes)
-            return self._pending_done
         if kind == "query":
             self._on_query(user, obj)
             return None
@@ -325,6 +355,14 @@ class MqttDoor:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
+
+    def _count_received(self) -> None:
+        """``kcloak_messages_total`` for the messages of this loop turn (one increment per topic kind)."""
+        self._received_flush = None
+        for kind, n in self._received.items():
+            if n:
+                self.metrics.messages.labels(transport="mqtt", topic=kind).inc(n)
+                self._received[kind] = 0
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

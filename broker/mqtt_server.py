@@ -42,6 +42,7 @@ from kcloak.wire.mqtt_codec import (
     UNSUBACK,
     UNSUBSCRIBE,
     MalformedFrame,
+    decode_str,
     encode_ack,
     encode_connack,
     encode_packet,
@@ -84,6 +85,23 @@ def valid_topic_filter(flt: str) -> bool:
         if ("+" in level and level != "+") or ("#" in level and (level != "#" or n != len(levels) - 1)):
             return False
     return True
+
+
+_TOPIC_NAMES: dict[bytes, str] = {}
+TOPIC_NAME_CACHE = 65_536
+"""PUBLISH topics already read and found valid (cleared when full; see :func:`_topic_name`)."""
+
+
+def _topic_name(raw: bytes) -> str:
+    """A PUBLISH's topic name: strict MQTT UTF-8 (no NUL) and no wildcard, else :class:`MalformedFrame`.
+    Remembered, since every app publishes on the same few topics over and over."""
+    topic = decode_str(raw)
+    if not valid_topic_name(topic):
+        raise MalformedFrame("bad topic name")
+    if len(_TOPIC_NAMES) >= TOPIC_NAME_CACHE:
+        _TOPIC_NAMES.clear()
+    _TOPIC_NAMES[raw] = topic
+    return topic
 
 
 def topic_matches(flt: str, topic: str) -> bool:
@@ -443,9 +461,14 @@ class _Connection(asyncio.Protocol):
         qos, retain = (first >> 1) & 3, bool(first & 1)
         if qos == 3:
             raise MalformedFrame("QoS 3")
-        topic, pos = read_str(self.buf, i, end)
-        if not valid_topic_name(topic):
-            raise MalformedFrame("bad topic name")
+        buf = self.buf
+        pos = i + 2 + read_u16(buf, i, end)
+        if pos > end:
+            raise MalformedFrame("field beyond the packet")
+        raw = bytes(buf[i + 2 : pos])
+        topic = _TOPIC_NAMES.get(raw)
+        if topic is None:
+            topic = _topic_name(raw)
         pid = 0
         if qos:
             pid = read_u16(self.buf, pos, end)
@@ -623,13 +646,28 @@ class _Connection(asyncio.Protocol):
             self.timer = self.loop.call_later(max(limit - idle, 0.1), self._check_keepalive)
 
 
+_INPUT_TOPICS: dict[str, tuple[str, str] | None] = {}
+INPUT_TOPIC_CACHE = 65_536
+"""Topics whose reading :func:`input_topic` remembers (cleared when full): every app publishes on
+the same few topics, over and over."""
+
+
 def input_topic(topic: str) -> tuple[str, str] | None:
     """(kind, user) of an input topic ``kcloak/v1/{kind}/{user}``; None for any other topic (the
     user level is returned as sent, unvalidated)."""
+    try:
+        return _INPUT_TOPICS[topic]
+    except KeyError:
+        pass
     parts = topic.split("/")
     if len(parts) != 4 or parts[0] != "kcloak" or parts[1] != "v1" or parts[2] not in INPUT_KINDS:
-        return None
-    return parts[2], parts[3]
+        known = None
+    else:
+        known = parts[2], parts[3]
+    if len(_INPUT_TOPICS) >= INPUT_TOPIC_CACHE:
+        _INPUT_TOPICS.clear()
+    _INPUT_TOPICS[topic] = known
+    return known
 
 
 class MqttServer:

@@ -16,10 +16,18 @@ class TokenBuckets:
         self._clock = clock
         self._state: dict[str, tuple[float, float]] = {}
 
-    def take(self, key: str, n: int = 1) -> bool:
-        now = self._clock()
-        tokens, last = self._state.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
+    def take(self, key: str, n: int = 1, *, now: float | None = None) -> bool:
+        """Take ``n`` tokens from ``key``'s bucket if it holds them. ``now`` (the clock's time) lets
+        a caller that takes for many keys at once read the clock once."""
+        if now is None:
+            now = self._clock()
+        state = self._state.get(key)
+        if state is None:
+            tokens = self.burst
+        else:
+            tokens = state[0] + (now - state[1]) * self.rate
+            if tokens > self.burst:
+                tokens = self.burst
         if tokens < n:
             self._state[key] = (tokens, now)
             return False
@@ -27,6 +35,10 @@ class TokenBuckets:
         if len(self._state) > 200_000:
             self._prune(now)
         return True
+
+    def clock(self) -> float:
+        """The time the buckets are filled by (for :meth:`take`'s ``now``)."""
+        return self._clock()
 
     def _prune(self, now: float) -> None:
         full_after = self.burst / self.rate if self.rate > 0 else float("inf")

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -199,6 +200,10 @@ class ProfileStore:
         return [_stored_profile(r) for r in rows]
 
 
+MAX_STATEMENT_PARAMS = 999
+"""Parameters of one multi-row insert (SQLite's limit before 3.32; later ones allow 32,766)."""
+
+
 class _Batch:
     __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql")
 
@@ -241,10 +246,14 @@ class GroupCommitWriter:
         self.health = health if health is not None else WriteHealth(name)
         self._linger_s = linger_s
         self._sql = insert_sql
+        self._multi_sql: dict[int, str] = {}
         self._capacity = capacity
         self._pending_rows = 0
         self._count_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[_Batch] | None] = queue.SimpleQueue()
+        self._turn: dict[asyncio.AbstractEventLoop, list[_Batch]] = {}
+        """Per event loop, the writes of its current turn: queued together when the turn ends."""
+        self._closed = False
         self._on_commit = on_commit
         self._thread = threading.Thread(target=self._run, name=f"kcloak-{name}-writer", daemon=True)
         self._thread.start()
@@ -272,22 +281,39 @@ class GroupCommitWriter:
             with self._count_lock:
                 self._pending_rows += len(rows)
         batch = _Batch(rows, asyncio.get_running_loop())
-        self._queue.put(batch)
+        self._enqueue(batch)
         await batch.future
+
+    def _enqueue(self, batch: _Batch) -> None:
+        """Queue ``batch`` with the other writes of this loop turn: one hand-over to the writer
+        thread (one wake-up) per turn instead of one per write, in the order they were made."""
+        loop = batch.loop
+        turn = self._turn.get(loop)
+        if turn is None:
+            turn = self._turn[loop] = []
+            loop.call_soon(self._hand_over, loop)
+        turn.append(batch)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        turn = self._turn.pop(loop, [])
+        if self._closed:  # the thread has stopped: these would wait forever
+            _settle_all([(b.future, RuntimeError("the writer is closed")) for b in turn])
+            return
+        self._queue.put(turn)
 
     async def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
         """Run one statement on the writer's connection, in order with the queued writes; returns its
         row count. Every write to the database goes through this thread, so writers never wait on
         each other's locks (a second connection could starve for its busy timeout under load)."""
         batch = _Batch((), asyncio.get_running_loop(), sql, params)
-        self._queue.put(batch)
+        self._enqueue(batch)
         await batch.future
         return batch.rowcount
 
     async def barrier(self) -> None:
         """Return once every write queued before this call has committed (or failed)."""
         batch = _Batch((), asyncio.get_running_loop())
-        self._queue.put(batch)
+        self._enqueue(batch)
         with contextlib.suppress(StoreError):
             await batch.future
 
@@ -296,7 +322,7 @@ class GroupCommitWriter:
             first = self._queue.get()
             if first is None:
                 return
-            batches = [first]
+            batches = list(first)
             stop = False
             # Linger briefly for more writers: one transaction (and one wake-up of the event loop)
             # then serves many small writes, at the cost of up to ``linger_s`` of latency.
@@ -310,7 +336,7 @@ class GroupCommitWriter:
                 if nxt is None:
                     stop = True
                     break
-                batches.append(nxt)
+                batches += nxt
             self._commit(batches)
             if stop:
                 return
@@ -347,7 +373,7 @@ class GroupCommitWriter:
                 if b.sql is not None:
                     b.rowcount = self._conn.execute(b.sql, b.params).rowcount
                 elif b.rows:
-                    self._conn.executemany(self._sql, b.rows)
+                    self._insert(b.rows)
             self._conn.execute("COMMIT")
         except Exception as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -359,8 +385,37 @@ class GroupCommitWriter:
             self.health.record(True)
         return None
 
+    def _insert(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Insert ``rows`` with multi-row statements (``VALUES (…), (…), …``) of a power-of-two number
+        of rows, at most :data:`MAX_STATEMENT_PARAMS` parameters each: ``executemany`` steps SQLite
+        once per row and takes the interpreter lock back after each step, which makes the event
+        loop's thread give it up once per row; this takes it back once per statement."""
+        width = len(rows[0])
+        size = self._rows_per_statement(width)
+        i, n = 0, len(rows)
+        while i < n:
+            while n - i < size:
+                size //= 2
+            self._conn.execute(self._multi_row_sql(size), list(chain.from_iterable(rows[i : i + size])))
+            i += size
+
+    @staticmethod
+    def _rows_per_statement(width: int) -> int:
+        size = 1
+        while size * 2 * width <= MAX_STATEMENT_PARAMS:
+            size *= 2
+        return size
+
+    def _multi_row_sql(self, rows: int) -> str:
+        sql = self._multi_sql.get(rows)
+        if sql is None:
+            head, _, values = self._sql.rpartition("VALUES")
+            sql = self._multi_sql[rows] = f"{head}VALUES {', '.join([values.strip()] * rows)}"
+        return sql
+
     def close(self) -> None:
         """Finish every queued write, then stop the thread."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
 

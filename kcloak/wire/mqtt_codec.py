@@ -171,13 +171,18 @@ def read_bytes(buf: bytearray, pos: int, end: int) -> tuple[bytes, int]:
 def read_str(buf: bytearray, pos: int, end: int) -> tuple[str, int]:
     """A strict MQTT UTF-8 string (valid UTF-8, no NUL; MQTT 3.1.1 §1.5.3) and the position after it."""
     raw, pos = read_bytes(buf, pos, end)
+    return decode_str(raw), pos
+
+
+def decode_str(raw: bytes) -> str:
+    """The bytes of a strict MQTT UTF-8 string as text (valid UTF-8, no NUL; MQTT 3.1.1 §1.5.3)."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise MalformedFrame("not UTF-8") from None
     if "\x00" in s:
         raise MalformedFrame("NUL in a string")
-    return s, pos
+    return s
 
 
 def publish_head(buf: bytearray, first: int, i: int, end: int, have: int) -> tuple[str, bytes | None, int] | None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kcloak.broker.bench import BrokerBenchConfig, run_broker_bench
@@ -34,6 +35,38 @@ def test_short_run_reports_every_field_with_answered_queries() -> None:
         # flooded into refusing (3,000 users stay below the per-user query rate): refusals stay a small share.
         assert row["queries_refused_per_s"] < 0.2 * row["queries_per_s"]
         assert row["added_latency_ms_p50"] is not None and row["added_latency_ms_p50"] >= 0
+        # Intake beside its yardstick, measured in this run: the yardstick's own rate, kcloak's CPU
+        # per accepted fix and the generators' CPU, all read from outside (counters, /proc).
+        yard = row["yardstick"]
+        assert yard["per_s"] > 0 and yard["cpu_us_per_item"] > 0, yard
+        assert yard["generator_cpu_cores"] > 0 and yard["generator_cpu_max"] <= yard["generator_cpu_cores"]
+        assert row["updates_vs_yardstick"] == round(row["updates_per_s"] / yard["per_s"], 3)
+        assert row["cpu_us_per_fix"] > 0 and row["update_generator_cpu_cores"] > 0
+        assert row["queries_note"] is None
+    mqtt_yard, http_yard = (r["yardstick"] for r in report["results"])
+    assert mqtt_yard["name"].startswith("mosquitto") and "pass-through" in mqtt_yard["name"]
+    assert http_yard["name"] == "empty aiohttp handler"
+    assert mqtt_yard["per_s"] != http_yard["per_s"]
+
+
+def test_cpu_seconds_reads_a_busy_process_from_proc() -> None:
+    from kcloak.broker.bench import cpu_seconds
+
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"]
+    )
+    try:
+        time.sleep(0.4)
+        first = cpu_seconds(busy.pid)
+        busy.wait(10)
+    finally:
+        busy.kill()
+    assert first is not None and first > 0
+    assert cpu_seconds(busy.pid) is None  # reaped: no /proc entry
+    import os
+
+    own = cpu_seconds(os.getpid())
+    assert own is not None and own > 0
 
 
 def test_cli_rejects_bad_flags() -> None:
@@ -95,15 +128,14 @@ async def test_mqtt_query_clients_keep_their_window_with_each_other_s_answers(tm
     assert all(QUERY_WINDOW // 2 <= n <= QUERY_WINDOW for n in most.values()), most
 
 
-def test_a_zero_query_rate_is_explained() -> None:
-    """A transport with 0 queries answered ok per second gets a line saying why, from the row's own numbers."""
-    from kcloak.cli.bench_broker import zero_query_notes
+def test_zero_queries_per_s_always_comes_with_a_reason() -> None:
+    from kcloak.broker.bench import _queries_note
 
-    rows = [
-        {"transport": "mqtt", "queries_per_s": 0.0, "queries_refused_per_s": 812.5},
-        {"transport": "http", "queries_per_s": 0.0, "queries_refused_per_s": 0.0},
-        {"transport": "http", "queries_per_s": 950.0, "queries_refused_per_s": 3.0},
-    ]
-    mqtt, http = zero_query_notes(rows)
-    assert mqtt.startswith("kcloak bench broker: mqtt: 0 queries answered ok") and "refused (812.5/s" in mqtt
-    assert http.startswith("kcloak bench broker: http: 0 queries answered ok") and "no query got any answer" in http
+    refused = 'kcloak_queries_total{kind="knn",reason="overloaded",status="refused",transport="mqtt"}'
+    other = 'kcloak_queries_total{kind="knn",reason="rate_limited",status="refused",transport="http"}'
+    before = {refused: 5.0, other: 1.0}
+    after = {refused: 905.0, other: 9.0}
+    assert _queries_note(12.5, 0.0, 20.0, before, after, "mqtt") is None
+    assert _queries_note(0.0, 300.0, 300.0, before, after, "mqtt") == "every query was refused (overloaded)"
+    assert "received no mqtt query" in (_queries_note(0.0, 0.0, 0.0, before, before, "mqtt") or "")
+    assert "none answered" in (_queries_note(0.0, 0.0, 40.0, before, before, "mqtt") or "")

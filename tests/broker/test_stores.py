@@ -214,3 +214,33 @@ async def test_a_bad_row_fails_only_its_own_write(tmp_path: Path) -> None:
         assert len(store.fixes_between(0, 10)) == 21
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 129, 1000], [257, 2, 64]])
+async def test_writes_of_any_size_store_every_row_once_first_duplicate_kept(tmp_path: Path, sizes: list[int]) -> None:
+    """Rows go in as multi-row statements of whatever sizes fit: every row of every write is there,
+    read back with a plain connection, and a repeated (user, t) keeps its first row (INSERT OR IGNORE)."""
+    store = MovementStore(tmp_path / "movement.sqlite3")
+    expected: dict[tuple[str, float], tuple[float, float]] = {}
+    writes = []
+    for w, n in enumerate(sizes):
+        rows = [(f"u{i % 97}", 1000.0 * w + i, 10.0 + i / 1e4, 20.0 - w) for i in range(n)]
+        rows.append((rows[0][0], rows[0][1], -1.0, -1.0))  # the same key again, other values: ignored
+        for user, t, lat, lon in rows:
+            expected.setdefault((user, t), (lat, lon))
+        writes.append(store.append(rows))
+    await asyncio.gather(*writes)  # one loop turn: handed to the writer together
+    store.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "movement.sqlite3")) as conn:
+        got = {(u, t): (la, lo) for u, t, la, lo in conn.execute("SELECT user_id, t, lat, lon FROM fixes")}
+    assert got == expected
+
+
+async def test_a_statement_queued_after_writes_of_the_same_turn_runs_after_them(tmp_path: Path) -> None:
+    store = MovementStore(tmp_path / "movement.sqlite3")
+    write = asyncio.ensure_future(store.append([("a", 1.0, 0.0, 0.0), ("b", 2.0, 0.0, 0.0)]))
+    await asyncio.sleep(0)  # the write is queued in this turn
+    deleted = await store.delete_older_than(10.0)
+    await write
+    assert deleted == 2
+    store.close()
