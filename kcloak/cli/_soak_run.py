@@ -369,13 +369,14 @@ def progress_line(s: Sample, run: SoakRun, elapsed_s: float) -> str:
     cfg = run.cfg
     left = cfg.duration_s - s.t_s + LATE_ANSWERS_S
     refused = sum(s.refusals.values())
+    codes = ", ".join(f"{k} {v}" for k, v in sorted(s.refusals.items(), key=lambda kv: -kv[1])[:3])
     queues = " ".join(f"{k} {v:.0f}" for k, v in sorted(s.queue_depths.items())) or "–"
     p99 = "–" if s.p99_ms is None else f"{s.p99_ms:.1f} ms"
     return (
         f"{_clock(s.t_s)}/{_clock(cfg.duration_s)} (ETA {_clock(left)}, {_clock(elapsed_s)} elapsed): "
         f"RSS {s.rss_bytes / 2**20:.1f} MiB, {s.open_files} files, SQLite {s.sqlite_total() / 2**20:.1f} MiB, "
         f"{s.answers / s.interval_s:,.0f} answers/s (target {run.target_qps:,.0f}), p99 {p99}, "
-        f"{refused} refused, queues {queues}"
+        f"{refused} refused{f' ({codes})' if codes else ''}, queues {queues}"
     )
 
 

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         keep_dir=args.keep,
     )
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def say(message: str) -> None:
         if not args.no_progress:
