@@ -386,11 +386,12 @@ class WindowPublisher:
         # Every fix accepted so far was queued to the store before this point: wait until it is
         # committed, so the window's input is complete.
         await self.movement.writer.barrier()
-        rows = await asyncio.to_thread(self.movement.fixes_between, window.t_start, window.t_end)
-        if len(rows) >= self.process_min_rows:
-            release, n_few = await self._anonymize_in_worker(rows)
+        fixes = await asyncio.to_thread(self.movement.fix_columns_between, window.t_start, window.t_end)
+        if len(fixes) >= self.process_min_rows:
+            release, n_few = await self._anonymize_in_worker(fixes)
         else:
-            release, n_few = await asyncio.to_thread(self._anonymize, rows)
+            release, n_few = await asyncio.to_thread(self._anonymize, fixes)
+        del fixes
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,
@@ -422,9 +423,9 @@ class WindowPublisher:
             runtime_s=round(float(report["runtime_s"]), 3),
         )
 
-    async def _anonymize_in_worker(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+    async def _anonymize_in_worker(self, fixes: FixTable) -> tuple[Release, int]:
         """:meth:`_anonymize` with the algorithm in the worker process (in a thread if that fails)."""
-        table, n_few, params = await asyncio.to_thread(self._prepare, rows)
+        table, n_few, params = await asyncio.to_thread(self._prepare, fixes)
         try:
             if self._worker is None:
                 self._worker = concurrent.futures.ProcessPoolExecutor(
@@ -437,21 +438,15 @@ class WindowPublisher:
             if isinstance(exc, concurrent.futures.process.BrokenProcessPool | OSError) and self._worker is not None:
                 _stop_worker(self._worker)
                 self._worker = None
-        return await asyncio.to_thread(self._anonymize, rows)
+        return await asyncio.to_thread(self._anonymize, fixes)
 
-    def _prepare(self, rows: list[tuple[str, float, float, float]]) -> tuple[FixTable, int, dict[str, Any]]:
+    def _prepare(self, fixes: FixTable) -> tuple[FixTable, int, dict[str, Any]]:
         """The window's fixes of users with ≥ ``min_points`` fixes, how many users had fewer, and the parameters."""
         pub = self.config.publish
-        users = np.array([r[0] for r in rows], dtype=str)
-        _, inverse, counts = np.unique(users, return_inverse=True, return_counts=True)
+        _, inverse, counts = np.unique(fixes.traj_id, return_inverse=True, return_counts=True)
         keep = counts[inverse] >= pub.min_points
         n_few = int(np.count_nonzero(counts < pub.min_points))
-        table = FixTable(
-            users[keep],
-            np.array([r[1] for r in rows], dtype=np.float64)[keep],
-            np.array([r[2] for r in rows], dtype=np.float64)[keep],
-            np.array([r[3] for r in rows], dtype=np.float64)[keep],
-        )
+        table = FixTable(fixes.traj_id[keep], fixes.t[keep], fixes.lat[keep], fixes.lon[keep])
         params: dict[str, Any] = {
             "method": pub.method,
             "k": pub.k,
@@ -461,9 +456,9 @@ class WindowPublisher:
         }
         return table, n_few, params
 
-    def _anonymize(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+    def _anonymize(self, fixes: FixTable) -> tuple[Release, int]:
         """The window's release and the number of users left out for having < ``min_points`` fixes."""
-        table, n_few, params = self._prepare(rows)
+        table, n_few, params = self._prepare(fixes)
         try:
             return anonymize(table, **params), n_few
         except Exception:  # a bug must not stall publication: the window is published empty
