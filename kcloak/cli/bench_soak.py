@@ -202,10 +202,15 @@ def print_report(report: dict[str, Any], console: Any) -> None:
             table.add_row(*cells(r))
         console.print(table)
     else:
+        lines = [header, *(cells(r) for r in rows)]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         console.print(title, highlight=False, soft_wrap=True)
-        console.print("  ".join(header), highlight=False, soft_wrap=True)
-        for r in rows:
-            console.print("  ".join(cells(r)), highlight=False, soft_wrap=True)
+        for line in lines:
+            text = "  ".join(
+                v.ljust(w) if h in ("queues", "refused") else v.rjust(w)
+                for v, w, h in zip(line, widths, header, strict=True)
+            )
+            console.print(text.rstrip(), highlight=False, soft_wrap=True)
     for c in verdict["checks"]:
         console.print(
             f"{'pass' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}", highlight=False, soft_wrap=True
