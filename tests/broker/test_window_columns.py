@@ -8,6 +8,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kcloak.broker.stores import MovementStore
 
@@ -53,3 +54,27 @@ async def test_a_large_window_is_read_without_a_row_list_of_its_size(tmp_path: P
     # The columns take 7 × 4 + 3 × 8 = 52 bytes a fix, plus one chunk of row tuples;
     # a list of all the rows took about 190 a fix.
     assert peak / n < 100, peak / n
+
+
+def test_a_window_file_reads_back_as_the_general_reader_reads_it(tmp_path: Path) -> None:
+    from kcloak.broker.publication import read_window_csv
+    from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
+
+    rng = np.random.default_rng(5)
+    n = 45_000  # three chunks of the reader, two of the writer
+    ids = np.array([f"t{i % 300}{'-x' * (i % 3)}" for i in range(n)])
+    t = (1.7e9 + np.arange(n) // 300 + np.where(np.arange(n) % 7 == 0, 0.25, 0.0)).astype(np.float64)  # integral or not
+    table = FixTable(ids, t, 39.9 + rng.random(n) / 100, 116.4 + rng.random(n) / 100)
+    path = tmp_path / "w.csv"
+    write_contract_csv(path, table)
+    mine, general = read_window_csv(path), read_contract_csv(path)
+    for got in (mine, general):
+        assert got.traj_id.tolist() == ids.tolist()
+        assert got.t.tolist() == t.tolist() and got.lat.tolist() == table.lat.tolist()
+        assert got.lon.tolist() == table.lon.tolist()
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError):
+        read_window_csv(tmp_path / "other.csv")
+    none = np.empty(0, dtype=np.float64)
+    write_contract_csv(tmp_path / "empty.csv", FixTable(np.empty(0, dtype=str), none, none, none))
+    assert len(read_window_csv(tmp_path / "empty.csv")) == 0
