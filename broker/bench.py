@@ -920,3 +920,29 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                 }
                 rows.append(row)
     return {"bench": "broker", "algorithm": cfg.algorithm, "duration_s": cfg.duration_s, "results": rows}
+
+
+def sustained_query_rate(
+    http_port: int, mqtt_port: int, *, users: int, duration_s: float, processes: int = 2, seed: int = 1
+) -> tuple[float, float]:
+    """The broker's sustained MQTT query rate as ``kcloak bench broker`` measures it: ``(ok/s, refused/s)``.
+
+    ``users`` users get a fresh fix each (``POST /v1/locations``), then ``processes`` client
+    processes send kNN queries in a closed loop (at most :data:`QUERY_WINDOW` outstanding each) for
+    ``duration_s``; the rates are read from the broker's ``kcloak_queries_total`` over the middle of
+    the run. The broker has worked off its backlog when this returns.
+    """
+    positions = _positions(users, seed)
+    _preload(http_port, positions)
+    ok, refused = _measure_all(
+        http_port,
+        _mqtt_query_worker,
+        [
+            (mqtt_port, part, duration_s, None, f"rate{i}", "kcloak")
+            for i, part in enumerate(_split(positions, processes))
+        ],
+        "kcloak_queries_total",
+        [('transport="mqtt"', 'status="ok"'), ('transport="mqtt"', 'status="refused"')],
+    )
+    _quiesce(http_port)
+    return ok, refused

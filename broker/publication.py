@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import csv
+import itertools
 import json
 import logging
 import math
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kcloak import __version__
 from kcloak.broker.config import Config
@@ -58,7 +61,7 @@ from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
 from kcloak.core.logs import log_event
-from kcloak.core.readers import FixTable, read_contract_csv, write_contract_csv
+from kcloak.core.readers import FixTable, write_contract_csv
 from kcloak.core.schemas import FIXES, WINDOWS, WindowState
 from kcloak.streams.publish import METHODS, Release, anonymize
 from kcloak.wire.mqtt_client import MqttError
@@ -238,12 +241,6 @@ def _fsync_write(path: Path, data: bytes | None = None) -> None:
 def window_parts(window_id: str, report: dict[str, Any], table: FixTable, *, part_rows: int = PART_ROWS) -> list[bytes]:
     """The MQTT messages of a window (contract §7 live windows): its rows in parts of at most
     ``part_rows`` (:data:`PART_ROWS`) rows and :data:`PART_BYTES` bytes, each with the window's head."""
-    rows = [
-        [i, int(t) if t.is_integer() else t, la, lo]
-        for i, t, la, lo in zip(
-            table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist(), strict=True
-        )
-    ]
     head = {
         "window_id": window_id,
         "t_start": report["t_start"],
@@ -253,19 +250,53 @@ def window_parts(window_id: str, report: dict[str, Any], table: FixTable, *, par
         "delta": report["delta"],
         "n_trajectories": report["n_out"],
     }
+    n = len(table)
     per_part = max(1, min(part_rows, PART_ROWS))
     while True:
-        chunks = [rows[i : i + per_part] for i in range(0, len(rows), per_part)] or [[]]
-        payloads = [
-            json.dumps(
-                {**head, "part": n, "parts": len(chunks), "columns": list(COLUMNS), "rows": chunk},
-                separators=(",", ":"),
-            ).encode()
-            for n, chunk in enumerate(chunks, start=1)
-        ]
-        if per_part == 1 or max(len(p) for p in payloads) <= PART_BYTES:
+        # Rows become Python objects one part at a time: a whole window's (millions) would stay
+        # in the broker's heap after it is sent.
+        count = max(1, math.ceil(n / per_part))
+        payloads: list[bytes] = []
+        for n_part in range(count):
+            part = slice(n_part * per_part, (n_part + 1) * per_part)
+            rows = [
+                [i, int(t) if t.is_integer() else t, la, lo]
+                for i, t, la, lo in zip(
+                    table.traj_id[part].tolist(),
+                    table.t[part].tolist(),
+                    table.lat[part].tolist(),
+                    table.lon[part].tolist(),
+                    strict=True,
+                )
+            ]
+            body = {**head, "part": n_part + 1, "parts": count, "columns": list(COLUMNS), "rows": rows}
+            payloads.append(json.dumps(body, separators=(",", ":")).encode())
+            if per_part > 1 and len(payloads[-1]) > PART_BYTES:
+                break
+        else:
             return payloads
         per_part = max(1, per_part // 2)
+
+
+def read_window_csv(path: Path, *, chunk: int = 20_000) -> FixTable:
+    """A window's CSV as written by :func:`~kcloak.core.readers.write_contract_csv` (``traj_id,t,lat,lon``,
+    no bad row), ``chunk`` rows at a time into numpy columns: the general reader keeps every field of
+    every row as text until it has read them all (about 400 bytes a row in the broker's heap)."""
+    ids: list[npt.NDArray[np.str_]] = []
+    numbers: list[npt.NDArray[np.float64]] = []
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        if next(reader, None) != list(COLUMNS):
+            raise ValueError(f"{path.name}: not a window file")
+        while rows := list(itertools.islice(reader, chunk)):
+            ids.append(np.array([r[0] for r in rows], dtype=str))
+            numbers.append(np.array([r[1:] for r in rows], dtype=np.float64).reshape(-1, 3))
+            del rows
+    if not ids:
+        empty = np.empty(0, dtype=np.float64)
+        return FixTable(np.empty(0, dtype=str), empty, empty.copy(), empty.copy())
+    values = np.concatenate(numbers)
+    return FixTable(np.concatenate(ids), values[:, 0].copy(), values[:, 1].copy(), values[:, 2].copy())
 
 
 class WindowPublisher:
@@ -386,11 +417,12 @@ class WindowPublisher:
         # Every fix accepted so far was queued to the store before this point: wait until it is
         # committed, so the window's input is complete.
         await self.movement.writer.barrier()
-        rows = await asyncio.to_thread(self.movement.fixes_between, window.t_start, window.t_end)
-        if len(rows) >= self.process_min_rows:
-            release, n_few = await self._anonymize_in_worker(rows)
+        fixes = await asyncio.to_thread(self.movement.fix_columns_between, window.t_start, window.t_end)
+        if len(fixes) >= self.process_min_rows:
+            release, n_few = await self._anonymize_in_worker(fixes)
         else:
-            release, n_few = await asyncio.to_thread(self._anonymize, rows)
+            release, n_few = await asyncio.to_thread(self._anonymize, fixes)
+        del fixes
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,
@@ -422,9 +454,9 @@ class WindowPublisher:
             runtime_s=round(float(report["runtime_s"]), 3),
         )
 
-    async def _anonymize_in_worker(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+    async def _anonymize_in_worker(self, fixes: FixTable) -> tuple[Release, int]:
         """:meth:`_anonymize` with the algorithm in the worker process (in a thread if that fails)."""
-        table, n_few, params = await asyncio.to_thread(self._prepare, rows)
+        table, n_few, params = await asyncio.to_thread(self._prepare, fixes)
         try:
             if self._worker is None:
                 self._worker = concurrent.futures.ProcessPoolExecutor(
@@ -437,21 +469,15 @@ class WindowPublisher:
             if isinstance(exc, concurrent.futures.process.BrokenProcessPool | OSError) and self._worker is not None:
                 _stop_worker(self._worker)
                 self._worker = None
-        return await asyncio.to_thread(self._anonymize, rows)
+        return await asyncio.to_thread(self._anonymize, fixes)
 
-    def _prepare(self, rows: list[tuple[str, float, float, float]]) -> tuple[FixTable, int, dict[str, Any]]:
+    def _prepare(self, fixes: FixTable) -> tuple[FixTable, int, dict[str, Any]]:
         """The window's fixes of users with ≥ ``min_points`` fixes, how many users had fewer, and the parameters."""
         pub = self.config.publish
-        users = np.array([r[0] for r in rows], dtype=str)
-        _, inverse, counts = np.unique(users, return_inverse=True, return_counts=True)
+        _, inverse, counts = np.unique(fixes.traj_id, return_inverse=True, return_counts=True)
         keep = counts[inverse] >= pub.min_points
         n_few = int(np.count_nonzero(counts < pub.min_points))
-        table = FixTable(
-            users[keep],
-            np.array([r[1] for r in rows], dtype=np.float64)[keep],
-            np.array([r[2] for r in rows], dtype=np.float64)[keep],
-            np.array([r[3] for r in rows], dtype=np.float64)[keep],
-        )
+        table = FixTable(fixes.traj_id[keep], fixes.t[keep], fixes.lat[keep], fixes.lon[keep])
         params: dict[str, Any] = {
             "method": pub.method,
             "k": pub.k,
@@ -461,9 +487,9 @@ class WindowPublisher:
         }
         return table, n_few, params
 
-    def _anonymize(self, rows: list[tuple[str, float, float, float]]) -> tuple[Release, int]:
+    def _anonymize(self, fixes: FixTable) -> tuple[Release, int]:
         """The window's release and the number of users left out for having < ``min_points`` fixes."""
-        table, n_few, params = self._prepare(rows)
+        table, n_few, params = self._prepare(fixes)
         try:
             return anonymize(table, **params), n_few
         except Exception:  # a bug must not stall publication: the window is published empty
@@ -512,7 +538,7 @@ class WindowPublisher:
     def parts(self, window_id: str) -> list[bytes]:
         """The MQTT messages of a committed window, built from its files (so a re-send is identical)."""
         report = json.loads(self.report_path(window_id).read_text(encoding="utf-8"))
-        table = read_contract_csv(self.csv_path(window_id))
+        table = read_window_csv(self.csv_path(window_id))
         return window_parts(window_id, report, table)
 
     # -- reading (HTTP) ------------------------------------------------------------------------

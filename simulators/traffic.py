@@ -201,6 +201,9 @@ class SimulationObserver(Protocol):
     def on_query(self) -> None:
         """One query was sent."""
 
+    def on_query_sent(self, query_id: str) -> None:
+        """A query with this ``query_id`` is about to be sent (before its answer can arrive)."""
+
     def on_answer(self, answer: dict[str, Any], latency_s: float) -> None:
         """An answer (contract JSON) arrived ``latency_s`` after the query's intended send time."""
 
@@ -215,6 +218,9 @@ class NullObserver:
         return None
 
     def on_query(self) -> None:
+        return None
+
+    def on_query_sent(self, query_id: str) -> None:
         return None
 
     def on_answer(self, answer: dict[str, Any], latency_s: float) -> None:
@@ -402,6 +408,7 @@ async def _drive(
     """
     on_updates = _hook(observer, "on_updates")
     on_query = _hook(observer, "on_query")
+    on_query_sent = _hook(observer, "on_query_sent")
     on_positions = _hook(observer, "on_positions")
     rate_per_s = cfg.users * cfg.query_rate_per_min / 60.0
     n = len(users)
@@ -448,6 +455,8 @@ async def _drive(
                 if await _sleep_until(intended, stop, clock):
                     break
                 query = random_query(rng, cfg.query_kind, client.next_query_id())
+                if on_query_sent is not None:
+                    on_query_sent(query["query_id"])
                 await client.send_query(users[u], query, intended=intended)
                 if on_query is not None:
                     on_query()

@@ -68,7 +68,14 @@ from kcloak.core.errors import KcloakError
 from kcloak.simulators.area import populated_area
 from kcloak.simulators.report import Observations, load_plotting, percentile, summarize, write_report
 from kcloak.simulators.streets import StreetGraph, load_street_graph
-from kcloak.simulators.traffic import DEFAULT_MIX, SimulationConfig, SimulationSummary, crop_streets, run_simulation
+from kcloak.simulators.traffic import (
+    DEFAULT_MIX,
+    NullObserver,
+    SimulationConfig,
+    SimulationSummary,
+    crop_streets,
+    run_simulation,
+)
 from kcloak.simulators.transport import TransportError
 from kcloak.wire.net import free_port
 
@@ -114,7 +121,7 @@ class DemoResult:
 
 
 @dataclass(slots=True)
-class DemoObserver:
+class DemoObserver(NullObserver):
     """A :class:`kcloak.simulators.traffic.SimulationObserver` filling :class:`Observations` and live rates."""
 
     obs: Observations = field(default_factory=Observations)
@@ -371,6 +378,11 @@ class ChildProcess:
         self.stop_timeout_s = stop_timeout_s
         self._proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id once started (None before)."""
+        return None if self._proc is None else self._proc.pid
 
     async def __aenter__(self) -> Self:
         self._log = self.log_path.open("wb")

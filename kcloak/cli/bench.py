@@ -20,6 +20,7 @@ BENCHMARKS: tuple[str, ...] = (
     "bench_simulate",
     "bench_release",
     "bench_cluster",
+    "bench_soak",
 )
 """Modules of :mod:`kcloak.cli` that add one benchmark each, in the order ``kcloak bench --help`` lists them."""
 
@@ -28,7 +29,7 @@ def add_parser(subparsers: SubParsers) -> None:
     """Add ``bench`` and every benchmark of :data:`BENCHMARKS` under it."""
     group = subparsers.add_parser(
         "bench",
-        help="benchmarks: cloak, broker, lbs, anonymize, simulate, release, cluster",
+        help="benchmarks: cloak, broker, lbs, anonymize, simulate, release, cluster, soak",
         description="Benchmarks. Each prints a readable table, or with --json exactly one JSON "
         'object {"bench": NAME, "results": [...]} on stdout; progress goes to stderr.',
     )

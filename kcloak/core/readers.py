@@ -412,8 +412,15 @@ def write_contract_csv(path: str | Path, table: FixTable) -> None:
     with gzip.open(p, "wt", encoding="utf-8", newline="") if gz else open(p, "w", encoding="utf-8", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(CONTRACT_COLUMNS)
-        cols = (table.traj_id.tolist(), table.t.tolist(), table.lat.tolist(), table.lon.tolist())
-        w.writerows((i, _time_text(t), repr(la), repr(lo)) for i, t, la, lo in zip(*cols, strict=True))
+        for start in range(0, len(table), 20_000):  # rows as Python objects a chunk at a time, not all at once
+            part = slice(start, start + 20_000)
+            cols = (
+                table.traj_id[part].tolist(),
+                table.t[part].tolist(),
+                table.lat[part].tolist(),
+                table.lon[part].tolist(),
+            )
+            w.writerows((i, _time_text(t), repr(la), repr(lo)) for i, t, la, lo in zip(*cols, strict=True))
 
 
 # -- registry ---------------------------------------------------------------------------------
