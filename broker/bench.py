@@ -934,15 +934,19 @@ def sustained_query_rate(
     """
     positions = _positions(users, seed)
     _preload(http_port, positions)
-    ok, refused = _measure_all(
-        http_port,
+    phase = _run_phase(
         _mqtt_query_worker,
         [
             (mqtt_port, part, duration_s, None, f"rate{i}", "kcloak")
             for i, part in enumerate(_split(positions, processes))
         ],
-        "kcloak_queries_total",
-        [('transport="mqtt"', 'status="ok"'), ('transport="mqtt"', 'status="refused"')],
+        _metric_sampler(
+            http_port,
+            "kcloak_queries_total",
+            [('transport="mqtt"', 'status="ok"'), ('transport="mqtt"', 'status="refused"')],
+        ),
+        None,
     )
+    ok, refused = phase.rates
     _quiesce(http_port)
     return ok, refused
