@@ -5,7 +5,8 @@ Three kinds of observation, none of them inside the broker:
 * the broker's process as the operating system sees it (:func:`read_process`: resident memory,
   open files and CPU time from ``/proc``, for the process and its children);
 * its data directory on disk (:func:`sqlite_sizes`: every SQLite file, ``-wal`` and ``-shm``
-  included) and its ``/metrics`` (:func:`parse_metrics`, Prometheus text);
+  included) and its ``/metrics`` (read as ``kcloak bench broker`` reads it, then :func:`gauge_by_label`,
+  :func:`counter_sum`);
 * what the clients saw: :class:`AnswerLedger` counts every answer message per ``query_id`` from a
   connection of its own, so a query answered twice, never, or an answer nobody asked for is seen.
 
@@ -359,19 +360,6 @@ def sqlite_sizes(data_dir: Path) -> dict[str, int]:
     return out
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text as ``{"name{labels}": value}`` (comments skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
 def gauge_by_label(metrics: Mapping[str, float], name: str, label: str) -> dict[str, float]:
     """``{label value: value}`` of one labelled gauge, e.g. ``kcloak_queue_depth`` by ``queue``."""
     out: dict[str, float] = {}
@@ -407,7 +395,6 @@ __all__ = [
     "counter_sum",
     "gauge_by_label",
     "p99_ms",
-    "parse_metrics",
     "read_process",
     "sqlite_sizes",
     "verdict",

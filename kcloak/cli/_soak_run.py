@@ -28,14 +28,13 @@ import math
 import os
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from kcloak.broker.bench import histogram_quantile, sustained_query_rate
+from kcloak.broker.bench import histogram_quantile, scrape, sustained_query_rate
 from kcloak.broker.config import Config
 from kcloak.cli._demo_run import BrokerProcess, ReferenceLbs, demo_area, prepare_streets
 from kcloak.simulators.soak import (
@@ -47,7 +46,6 @@ from kcloak.simulators.soak import (
     counter_sum,
     gauge_by_label,
     p99_ms,
-    parse_metrics,
     read_process,
     sqlite_sizes,
     verdict,
@@ -127,13 +125,8 @@ class _Interval:
         )
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-        return parse_metrics(resp.read().decode())
-
-
 def _look(pid: int, data_dir: Path, http_port: int) -> tuple[Any, dict[str, int], dict[str, float]]:
-    return read_process(pid), sqlite_sizes(data_dir), _scrape(http_port)
+    return read_process(pid), sqlite_sizes(data_dir), scrape(http_port, timeout_s=30)
 
 
 def soak_broker_config(cfg: SoakConfig, *, data_dir: Path, upstream_url: str) -> Config:
