@@ -198,6 +198,11 @@ class _Queued:
     tail: _Tail
     codes: asyncio.Future[list[ReasonCode | None]] | None
 
+    @property
+    def wire_size(self) -> int:
+        """Its bytes in a ``batch`` message: the body, the user token and the item's JSON frame."""
+        return len(self.data) + len(self.token) + 40
+
 
 def _fix_object(raw: Any) -> Any:
     """A fix as JSON: a parsed :class:`Fix` (HTTP) or the app's object (MQTT, validated by the router)."""
@@ -399,13 +404,13 @@ class ClusterPipeline:
         try:
             while queue:
                 batch = [queue.popleft()]
-                fixes, size = batch[0].fixes, len(batch[0].data)
+                fixes, size = batch[0].fixes, batch[0].wire_size
                 while (
-                    queue and fixes + queue[0].fixes <= BATCH_MAX_FIXES and size + len(queue[0].data) < BATCH_MAX_BYTES
+                    queue and fixes + queue[0].fixes <= BATCH_MAX_FIXES and size + queue[0].wire_size < BATCH_MAX_BYTES
                 ):
                     entry = queue.popleft()
                     batch.append(entry)
-                    fixes, size = fixes + entry.fixes, size + len(entry.data) + len(entry.token) + 40
+                    fixes, size = fixes + entry.fixes, size + entry.wire_size
                 await self._send_batch(key, batch)
         finally:
             self._draining.discard(key)
@@ -436,9 +441,7 @@ class ClusterPipeline:
             if not ok and reply is not None:
                 self._replies.pop(reply, None)
             for entry in batch:
-                self._tail_done(entry.user, entry.tail, ok)
-                if not ok:
-                    self._settle_entry(entry, ok, transport)
+                self._settle_entry(entry, ok, transport)
         if ok and reply is not None and fut is not None:
             self._track(self._split_outcome(reply, fut, kind, batch))
 
