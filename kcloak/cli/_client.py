@@ -106,17 +106,26 @@ def emit(obj: dict[str, Any], as_json: bool, title: str) -> None:
         console.print(f"  {key}: {json.dumps(value)}", soft_wrap=True)
 
 
-TRAFFIC_HINTS: dict[str, str] = {
-    "k_unreachable": "fewer users were present than the querier's k",
-    "area_exceeded": (
-        "too few users stood near the querier for a region of at most max_area_m2 (4 km2 shipped) to hold k of them"
-    ),
-    "stale_position": "the querier's latest fix was older than 60 s when the query was cloaked: the client fell behind",
-    "rate_limited": "the broker's per-user limits: fewer queries per user, or raise the broker's limits",
-    "overloaded": "the broker's queues were full: a lower rate, or fewer users",
-    "upstream_error": "the location service did not answer: is kcloak serve's --upstream running?",
-}
-"""What a refusal of client traffic means for the run, by reason code (else the interface's advice)."""
+def traffic_hints() -> dict[str, str]:
+    """What a refusal of client traffic means for the run, by reason code (else the interface's advice), with
+    the shipped configuration's numbers."""
+    from kcloak.broker.config import CloakingConfig, ProfileConfig
+
+    max_area_km2 = ProfileConfig().max_area_m2 / 1e6
+    return {
+        "k_unreachable": "fewer users were present than the querier's k",
+        "area_exceeded": (
+            f"too few users stood near the querier for a region of at most max_area_m2 ({max_area_km2:g} km2 "
+            "shipped) to hold k of them"
+        ),
+        "stale_position": (
+            f"the querier's latest fix was older than {CloakingConfig().stale_after_s:g} s when the query was "
+            "cloaked: the client fell behind"
+        ),
+        "rate_limited": "the broker's per-user limits: fewer queries per user, or raise the broker's limits",
+        "overloaded": "the broker's queues were full: a lower rate, or fewer users",
+        "upstream_error": "the location service did not answer: is kcloak serve's --upstream running?",
+    }
 
 
 def refusal_lines(reasons: dict[str, int], answered: int, fixes: dict[str, str] | None = None) -> list[str]:
@@ -125,10 +134,11 @@ def refusal_lines(reasons: dict[str, int], answered: int, fixes: dict[str, str] 
     from kcloak.wire.reasons import REASONS
 
     advice = {r.code.value: r.action for r in REASONS}
+    hints = traffic_hints()
     lines = []
     for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         share = f" ({n / answered:.0%} of answers)" if answered else ""
-        why = TRAFFIC_HINTS.get(code, advice.get(code, "see docs/interface.md"))
+        why = hints.get(code, advice.get(code, "see docs/interface.md"))
         fix = (fixes or {}).get(code)
         lines.append(f"  {code} {n:,}{share}: {why}" + (f": {fix}" if fix else ""))
     return lines
