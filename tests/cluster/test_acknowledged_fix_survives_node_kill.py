@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 import nats
 import pytest
@@ -79,7 +80,17 @@ async def test_jetstream_acknowledged_fixes_survive_sigkill_of_the_stream_leader
     try:
         js = nc.jetstream(timeout=5.0)
         for topic, payload in fixes():
-            ack = await js.publish(topic.replace("/", "."), payload, stream=STREAM)
+            # The node published through may not yet know the new stream's subjects ("no responders"); a
+            # retry under the message's id is stored once (the stream's duplicate window), so order holds.
+            ack = await retried(
+                partial(
+                    js.publish,
+                    topic.replace("/", "."),
+                    payload,
+                    stream=STREAM,
+                    headers={"Nats-Msg-Id": payload.decode()},
+                )
+            )
             assert ack.stream == STREAM
     finally:
         await nc.close()
