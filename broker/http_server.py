@@ -141,44 +141,54 @@ def _frames(exc: BaseException) -> list[str]:
     return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-12:]]
 
 
-@web.middleware
-async def error_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    metrics = request.app[METRICS]
-    route = _route_template(request)
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except HttpError as exc:
-        resp = error_response(exc.code, str(exc), field=exc.field, query_id=exc.query_id)
-        if exc.close:
-            resp.force_close()
-            request[ABANDON] = True
-        status = resp.status
-        return resp
-    except web.HTTPException as exc:
-        code, message = _AIOHTTP_CODES.get(exc.status, (ReasonCode.INVALID, "bad request"))
-        if exc.status >= 500:
-            code, message = ReasonCode.INTERNAL, "internal error"
-        resp = error_response(code, message)
-        status = resp.status
-        return resp
-    except StoreError:
-        # A store that cannot write (disk full, I/O error) is a condition that passes: 503
-        # overloaded, as a fix the movement store cannot take is refused overloaded.
-        resp = error_response(ReasonCode.OVERLOADED, "storage is failing; retry later")
-        status = resp.status
-        return resp
-    except Exception as exc:  # a bug: the contract's 500, never aiohttp's plain text
-        log_event(log, "http_handler_failed", logging.ERROR, route=route, error=type(exc).__name__, stack=_frames(exc))
-        resp = error_response(ReasonCode.INTERNAL, "internal error")
-        status = resp.status
-        return resp
-    finally:
-        metrics.http_requests.labels(route=route, method=_method_label(request.method), status=str(status)).inc()
+def request_handler(
+    app: web.Application, metrics: Metrics
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """``app``'s request handler as :class:`HttpServer` serves it: every error, aiohttp's own
+    404/405/413 and a handler's exception included, answered with the contract's error body, and
+    every request counted in ``kcloak_http_requests`` by route pattern, method and status.
+
+    It wraps the application's handler on the connection rather than as an aiohttp middleware: a
+    middleware costs every request two more coroutine layers (aiohttp adds one of its own)."""
+    handle = app._handle
+    counter = metrics.http_requests
+
+    async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
+        status = 500
+        try:
+            resp = await handle(request)  # type: ignore[arg-type]  # the runner's requests are web.Requests
+            status = resp.status
+            return resp
+        except HttpError as exc:
+            resp = error_response(exc.code, str(exc), field=exc.field, query_id=exc.query_id)
+            if exc.close:
+                resp.force_close()
+                request[ABANDON] = True
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            code, message = _AIOHTTP_CODES.get(exc.status, (ReasonCode.INVALID, "bad request"))
+            if exc.status >= 500:
+                code, message = ReasonCode.INTERNAL, "internal error"
+            resp = error_response(code, message)
+            status = resp.status
+            return resp
+        except StoreError:
+            # A store that cannot write (disk full, I/O error) is a condition that passes: 503
+            # overloaded, as a fix the movement store cannot take is refused overloaded.
+            resp = error_response(ReasonCode.OVERLOADED, "storage is failing; retry later")
+            status = resp.status
+            return resp
+        except Exception as exc:  # a bug: the contract's 500, never aiohttp's plain text
+            route, error, stack = _route_template(request), type(exc).__name__, _frames(exc)
+            log_event(log, "http_handler_failed", logging.ERROR, route=route, error=error, stack=stack)
+            resp = error_response(ReasonCode.INTERNAL, "internal error")
+            status = resp.status
+            return resp
+        finally:
+            counter.labels(_route_template(request), _method_label(request.method), str(status)).inc()
+
+    return dispatch
 
 
 def _route_template(request: web.BaseRequest) -> str:
@@ -233,6 +243,8 @@ async def _raw_body(request: web.Request, limit: int) -> bytes:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
     timeout_s = request.app[CONFIG].http.body_timeout_s
     try:
+        if request.content_length is not None and request.content.is_eof():
+            return await request.read()  # the whole body came with the head: no wait, no timer
         async with asyncio.timeout(timeout_s):
             raw = await _read_body(request, limit)
     except TimeoutError:
@@ -285,14 +297,14 @@ async def post_location(request: web.Request) -> web.Response:
     fix = decode_fix(raw)
     body = _parse_body(raw) if fix is None else None
     pipeline = request.app[PIPELINE]
-    pipeline.metrics.messages.labels(transport="http", topic="update").inc()
+    pipeline.metrics.messages.labels("http", "update").inc()
     if fix is None:
         try:
             fix, _ = parse_fix(body)
         except InvalidInput as exc:
             pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
             raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
-    res = await pipeline.enqueue_fixes("http", [(user, fix)])
+    res = await pipeline.decide_fixes("http", [(user, fix)])
     code = res.codes[0]
     if code is None:
         return web.Response(body=ACCEPTED_ONE, content_type="application/json")
@@ -638,8 +650,9 @@ async def map_stream(request: web.Request) -> web.StreamResponse:
 
 def build_app(pipeline: Pipeline, config: Config, tokens: TokenStore | None, state: dict[str, Any]) -> web.Application:
     app = web.Application(
-        # Without tokens every route is open: the auth layer is left out of the hot path.
-        middlewares=[error_middleware] if tokens is None else [error_middleware, auth_middleware],
+        # Without tokens every route is open: no middleware at all on the hot path. Errors are
+        # answered around the whole application (request_handler, installed by HttpServer).
+        middlewares=[] if tokens is None else [auth_middleware],
         client_max_size=config.limits.batch_bytes + 1024,
     )
     app[PIPELINE] = pipeline
@@ -693,7 +706,7 @@ def route_access_log(metrics: Metrics, *, emit: bool) -> type[AbstractAccessLogg
             route = _route_template(request)
             method = _method_label(request.method)
             status_class = f"{response.status // 100}xx"
-            metrics.http_seconds.labels(route=route, method=method, status_class=status_class).observe(time)
+            metrics.http_seconds.labels(route, method, status_class).observe(time)
             if emit:
                 log_event(
                     access_logger,
@@ -797,6 +810,7 @@ class HttpServer:
         await runner.setup()
         manager = runner.server
         assert manager is not None
+        manager.request_handler = request_handler(self._app, self._metrics)  # read by each connection
         loop = asyncio.get_running_loop()
 
         def connection() -> web.RequestHandler:

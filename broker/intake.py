@@ -69,8 +69,9 @@ class FixIntake:
         self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
         self._last_t: dict[str, float] = {}
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
-        self._fixes_in_flight: dict[str, set[asyncio.Task[FixResult]]] = {}
-        """Per user, the fix submissions received and not yet decided (:meth:`enqueue_fixes`)."""
+        self._fixes_in_flight: dict[str, set[asyncio.Future[Any]]] = {}
+        """Per user, the fix submissions received and not yet decided (:meth:`enqueue_fixes`,
+        :meth:`decide_fixes`)."""
 
     def begin_shutdown(self) -> None:
         self.closing = True
@@ -190,25 +191,44 @@ class FixIntake:
         before it, whatever the transport and whatever the size of the message that carried it."""
         coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
         task = asyncio.create_task(coro)
+        users = self._received(items, task)
+        task.add_done_callback(lambda done: self._decided(users, done))
+        return task
+
+    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
+        """:meth:`submit_fixes` for a caller that waits for the outcome at once (one HTTP fix): the
+        fixes count as received, and a query of their users received later waits for them, exactly
+        as with :meth:`enqueue_fixes`, without a task of their own (the checks run before this
+        first yields, so fixes are still decided in the order received)."""
+        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        users = self._received(items, decided)
+        try:
+            return await self.submit_fixes(transport, items, source=source)
+        finally:
+            decided.set_result(None)
+            self._decided(users, decided)
+
+    def _received(self, items: list[tuple[str, Any]], pending: asyncio.Future[Any]) -> set[str]:
+        """Hold queries of the users of ``items`` until ``pending`` is done (:meth:`own_fixes_decided`);
+        returns those users, for :meth:`_decided`."""
         users = {user for user, _ in items}
         in_flight = self._fixes_in_flight
         for user in users:
             tasks = in_flight.get(user)
             if tasks is None:
-                in_flight[user] = {task}
+                in_flight[user] = {pending}
             else:
-                tasks.add(task)
+                tasks.add(pending)
+        return users
 
-        def decided(done: asyncio.Task[FixResult]) -> None:
-            for user in users:
-                tasks = self._fixes_in_flight.get(user)
-                if tasks is not None:
-                    tasks.discard(done)
-                    if not tasks:
-                        del self._fixes_in_flight[user]
-
-        task.add_done_callback(decided)
-        return task
+    def _decided(self, users: set[str], done: asyncio.Future[Any]) -> None:
+        in_flight = self._fixes_in_flight
+        for user in users:
+            tasks = in_flight.get(user)
+            if tasks is not None:
+                tasks.discard(done)
+                if not tasks:
+                    del in_flight[user]
 
     async def own_fixes_decided(self, user: str) -> None:
         """Wait until the fixes of ``user`` received before now are decided (later ones are not

@@ -236,6 +236,10 @@ class Pipeline:
         """Submit fixes as they are received, without waiting (see :meth:`FixIntake.enqueue_fixes`)."""
         return self.intake.enqueue_fixes(transport, items, batch=batch, source=source)
 
+    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
+        """Submit fixes as received and wait for their outcome (see :meth:`FixIntake.decide_fixes`)."""
+        return await self.intake.decide_fixes(transport, items)
+
     # -- profiles ------------------------------------------------------------------------------
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:
         return self.profile_book.get(user)

@@ -499,6 +499,10 @@ class ClusterPipeline:
             return self._track(self._mqtt_fixes(items, batch))
         return self._track(self._http_fixes(items, batch))
 
+    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
+        """:meth:`enqueue_fixes`, waiting for the outcome (the HTTP single-fix route)."""
+        return await self.enqueue_fixes(transport, items)
+
     def _messages(self, items: list[tuple[str, Any]], batch: bool) -> list[tuple[str, str, Any, list[int]]]:
         """``(user, kind, body, item positions)`` per intake message: a batch becomes one ``updates``
         message per user (partitions are per user), a single fix one ``update``."""
