@@ -1,0 +1,45 @@
+"""A query sees its user's single fix sent just before it over HTTP, even while that fix is still being
+committed (contract §1: a query waits for the fixes of its user received before it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from kcloak.broker.service import Broker
+
+
+def _post(path: str, body: dict[str, object]) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, object]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+    return int(lines[0].split()[1]), json.loads(await reader.readexactly(length))
+
+
+async def test_query_right_behind_a_fix_on_another_connection_sees_it(http_broker: Broker) -> None:
+    port = http_broker.http_port
+    for i in range(20):  # each round a new user, with no fix before this one
+        user = f"fresh{i}"
+        fix_conn = await asyncio.open_connection("127.0.0.1", port)
+        query_conn = await asyncio.open_connection("127.0.0.1", port)
+        # Both requests leave in the same turn of this loop: the broker reads them together, the
+        # query while the fix is still on its way to the movement store.
+        fix_conn[1].write(_post(f"/v1/users/{user}/location", {"t": time.time(), "lat": 39.9, "lon": 116.4}))
+        query_conn[1].write(_post(f"/v1/users/{user}/query", {"query_id": f"q{i}", "kind": "knn", "n": 1}))
+        await asyncio.gather(fix_conn[1].drain(), query_conn[1].drain())
+        fix_status, fix_body = await _answer(fix_conn[0])
+        query_status, answer = await _answer(query_conn[0])
+        assert fix_status == 200 and fix_body == {"accepted": 1, "rejected": []}
+        # Alone, the user cannot be cloaked; but the broker knew where it was: never stale_position.
+        assert query_status == 200 and answer.get("reason") != "stale_position", answer
+        for _, writer in (fix_conn, query_conn):
+            writer.close()
+            await writer.wait_closed()
