@@ -236,15 +236,17 @@ async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
 async def _raw_body(request: web.Request, limit: int) -> bytes:
     """The body of a JSON request, not yet parsed: 415, 413 and a body not received in time as
     :func:`_json_body` refuses them."""
-    ctype = request.content_type
-    if ctype != "application/json":
+    # The header as clients send it is taken as it is; anything else (parameters, other case) is parsed.
+    if request.headers.get("Content-Type") != "application/json" and request.content_type != "application/json":
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
-    if request.content_length is not None and request.content_length > limit:
+    length = request.content_length
+    if length is not None and length > limit:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
     timeout_s = request.app[CONFIG].http.body_timeout_s
     try:
-        if request.content_length is not None and request.content.is_eof():
-            return await request.read()  # the whole body came with the head: no wait, no timer
+        if length is not None and request.content.is_eof():
+            # The whole body came with the head (the parser stops at Content-Length): no wait, no timer.
+            return request.content.read_nowait()
         async with asyncio.timeout(timeout_s):
             raw = await _read_body(request, limit)
     except TimeoutError:

@@ -1,5 +1,6 @@
-"""A query sees its user's single fix sent just before it over HTTP, even while that fix is still being
-committed (contract §1: a query waits for the fixes of its user received before it)."""
+"""HTTP single fixes, read as a client sees them: a query sees its user's fix sent just before it, even
+while that fix is still being committed (contract §1: a query waits for the fixes of its user
+received before it); the body is JSON by its media type however the header spells it."""
 
 from __future__ import annotations
 
@@ -43,3 +44,27 @@ async def test_query_right_behind_a_fix_on_another_connection_sees_it(http_broke
         for _, writer in (fix_conn, query_conn):
             writer.close()
             await writer.wait_closed()
+
+
+async def test_a_fix_is_taken_as_json_by_its_media_type_whatever_its_spelling(http_broker: Broker) -> None:
+    """``application/json`` with parameters or in another case is JSON; any other type is 415."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_broker.http_port)
+    cases = [
+        ("application/json", 200),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+        ("text/plain", 415),
+        ("application/jsonx", 415),
+        ("application/json-patch+json", 415),
+    ]
+    for i, (ctype, status) in enumerate(cases):
+        data = json.dumps({"t": time.time(), "lat": 39.9, "lon": 116.4}).encode()
+        head = f"POST /v1/users/media{i}/location HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\n"
+        writer.write(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        got, body = await _answer(reader)
+        assert got == status, (ctype, body)
+        if status == 415:
+            refusal = {"code": "unsupported_media_type", "message": "Content-Type must be application/json"}
+            assert body["error"] == refusal
+    writer.close()
+    await writer.wait_closed()
