@@ -1,8 +1,9 @@
 """The HTTP door (contract §4): small aiohttp handlers that parse, authenticate and call the
 pipeline — the same pipeline the MQTT door calls.
 
-Every 4xx/5xx leaves as the contract's error body: a middleware rewrites aiohttp's own
-404/405/413 and any exception of a handler, and :class:`HttpServer`'s connection handler answers
+Every 4xx/5xx leaves as the contract's error body: :func:`request_handler`, around the whole
+application, rewrites aiohttp's own 404/405/413 and any exception of a handler (or of the auth
+middleware, present with tokens only), and :class:`HttpServer`'s connection handler answers
 requests that do not even parse (over-long lines, bad framing) the same way, without quoting
 them back or logging them. Access is counted per route *template*, never per concrete path: the
 ``kcloak_http_requests`` counter, the ``kcloak_http_request_duration_seconds`` histogram and, with
