@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kcloak.broker.cluster.answers import read_answer, send_stored, store_answer
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
+from kcloak.broker.cluster.pinned import Delivered, DuplicateSeq, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
     CELLQ_STREAM,
     CELLS_STREAM,
@@ -348,11 +348,24 @@ class CellOwner:
 
     async def _record_region(self, token: str, qkey: str, region: Region) -> Region:
         """The region to forward: this one, unless a first attempt of the query recorded another."""
+        key, data = region_key(token, qkey), region_json(region)
+        # Create-only on the PubAck inbox (a fraction of nats-py's KV create): stored only while the key holds
+        # no message; a duplicate PubAck means an earlier attempt's message is there.
+        fut = await self._acks.send(
+            f"$KV.{REGIONS_BUCKET}.{key}",
+            data,
+            stream=f"KV_{REGIONS_BUCKET}",
+            msg_id=f"region/{key}",
+            headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+        )
+        with contextlib.suppress(Exception):
+            if not isinstance(await asyncio.wait_for(fut, self._acks.timeout_s), DuplicateSeq):
+                return region
+        # Taken, or no PubAck: KV create decides (it fails when the key holds a region, ours or a first attempt's).
         if self._kv is None:
             self._kv = await self.js.key_value(REGIONS_BUCKET)
-        key = region_key(token, qkey)
         try:
-            await self._kv.create(key, region_json(region))
+            await self._kv.create(key, data)
             return region
         except Exception:
             entry = await self._kv.get(key)

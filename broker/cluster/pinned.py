@@ -468,8 +468,11 @@ class PubAcks:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             fut.set_exception(JetStreamApiError(f"publish failed: bad PubAck ({type(exc).__name__})"))
 
-    async def send(self, subject: str, data: bytes, *, stream: str, msg_id: str) -> asyncio.Future[int]:
-        """Publish now; the future is the stream sequence from the PubAck (or the error)."""
+    async def send(
+        self, subject: str, data: bytes, *, stream: str, msg_id: str, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]:
+        """Publish now (with ``headers`` besides the message id and stream, e.g. an expected last sequence); the
+        future is the stream sequence from the PubAck (or the error)."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
             await self._ensure()
@@ -480,7 +483,7 @@ class PubAcks:
                 subject,
                 data,
                 reply=f"{self._prefix}.{token}",
-                headers={"Nats-Msg-Id": msg_id, "Nats-Expected-Stream": stream},
+                headers={"Nats-Msg-Id": msg_id, "Nats-Expected-Stream": stream, **(headers or {})},
             )
         except Exception as exc:
             if not fut.done():
