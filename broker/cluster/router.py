@@ -157,6 +157,7 @@ class Router:
         partition: int,
         start_delay_s: float = 0.0,
         clock: Callable[[], float] = time.time,
+        owner_seen: dict[int, float] | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -172,7 +173,8 @@ class Router:
         self.mode_refusal = cluster_refusal(config)
         self.users: dict[str, UserState] = {}
         self._cell_cache: dict[tuple[float, float], int] = {}
-        self._owner_seen: dict[int, float] = {}
+        # when each cell's owner last answered (monotonic); the worker shares one map among its routers
+        self._owner_seen: dict[int, float] = {} if owner_seen is None else owner_seen
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._profiles_complete = False
         self._kv: Any = None
