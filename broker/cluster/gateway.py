@@ -22,10 +22,11 @@ door needs the router's outcome, ``Kcloak-Reply`` (a core-NATS inbox of this gat
   (at most ``BATCH_MAX_FIXES`` fixes, ``BATCH_MAX_BYTES`` bytes). No timer: a lone fix goes at once; under
   load a PubAck round trip gathers the next batch. One message in flight per partition keeps each user's
   order, retries included.
-- A query: subscribe to its answer's out subject, publish, wait for the answer the answers stream
-  republishes (bounded: the contract's ``max_delay_s + upstream.deadline_s + 1 s``; then, if the stream
-  holds no answer either, ``overloaded``, as the single process answers a query still waiting then). A
-  query id whose answer is already stored is a ``duplicate``.
+- A query: publish it with ``Kcloak-Reply`` (this gateway's inbox), wait for the stored answer that its
+  router or cell owner sends there once it is in the answers stream (bounded: the contract's
+  ``max_delay_s + upstream.deadline_s + 1 s``; then, if the stream holds no answer either, ``overloaded``,
+  as the single process answers a query still waiting then). A query id whose answer is already stored is a
+  ``duplicate``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,10 @@ from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from kcloak.broker.admission import Admission, Duplicate, QueryRejected
+from kcloak.broker.cluster.answers import read_answer
 from kcloak.broker.cluster.topology import (
-    ANSWERS_STREAM,
     PROFILES_BUCKET,
     Layout,
-    answer_out_subject,
-    answer_subject,
     ensure_layout,
     in_subject,
     partition_of,
@@ -628,18 +627,14 @@ class ClusterPipeline:
 
     async def _stored_answer(self, user: str, query_id: str) -> dict[str, Any] | None:
         from nats.errors import Error as NatsError
-        from nats.js.errors import NotFoundError
 
-        subject = answer_subject(subject_token(user), subject_token(query_id))
         try:
-            msg = await self.js.get_msg(ANSWERS_STREAM, subject=subject, direct=True)
-        except NotFoundError:
-            return None
+            data = await read_answer(self.nc, subject_token(user), subject_token(query_id))
         except (NatsError, TimeoutError) as exc:
             log_event(log, "gateway_answer_lookup_failed", logging.WARNING, error=type(exc).__name__)
             return None
         try:
-            obj = json.loads(msg.data or b"")
+            obj = json.loads(data or b"")
         except ValueError:
             return None
         return obj if isinstance(obj, dict) else None
@@ -656,13 +651,6 @@ class ClusterPipeline:
         return stored.max_delay_s + self.config.upstream.deadline_s + 1.0
 
     async def _run_query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> QueryOutcome:
-        token, qkey = subject_token(user), subject_token(query_id)
-        got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-
-        async def on_answer(msg: Any) -> None:
-            if not got.done():
-                got.set_result(msg.data)
-
         kind = obj.get("kind")
         kind_label = kind if kind in ("range", "knn") else "unknown"
         try:
@@ -677,10 +665,11 @@ class ClusterPipeline:
                 kind_label,
                 Answer.refused(query_id, ReasonCode.SHUTDOWN, "the broker is shutting down", time.time()),
             )
-        sub = await self.nc.subscribe(answer_out_subject(token, qkey), cb=on_answer)
+        # The answer comes on this gateway's reply inbox (Kcloak-Reply): whoever stores it sends the stored one.
+        reply, got = self._reply_future()
         try:
             wait_s = self.answer_wait_s(self.get_profile(user)[0])
-            if not await self.publish(user, "query", obj, transport=transport):
+            if not await self.publish(user, "query", obj, transport=transport, reply=reply):
                 answer: Answer | StoredAnswer = Answer.refused(
                     query_id, ReasonCode.OVERLOADED, "the cluster intake is unavailable; retry later", time.time()
                 )
@@ -690,15 +679,14 @@ class ClusterPipeline:
                     data = await got
                 body = json.loads(data)
             except (TimeoutError, ValueError):
-                body = await self._stored_answer(user, query_id)  # stored, but its republish was missed
+                body = await self._stored_answer(user, query_id)  # stored, but its reply was missed
             if isinstance(body, dict):
                 return self._finish(transport, kind_label, StoredAnswer(body))
             self.gw.reply_timeouts.labels(kind="query").inc()
             answer = Answer.refused(query_id, ReasonCode.OVERLOADED, "no answer in time", time.time())
             return self._finish(transport, kind_label, answer)
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            self._replies.pop(reply, None)
 
     def _finish(self, transport: str, kind_label: str, answer: Answer | StoredAnswer) -> QueryOutcome:
         self.metrics.queries.labels(

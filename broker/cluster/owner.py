@@ -27,15 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
+from kcloak.broker.cluster.answers import read_answer, send_stored, store_answer
+from kcloak.broker.cluster.pinned import Delivered, DuplicateSeq, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
-    ANSWERS_STREAM,
     CELLQ_STREAM,
     CELLS_STREAM,
     REGIONS_BUCKET,
     Layout,
-    answer_msg_id,
-    answer_subject,
     cell_filter,
     cellq_subject,
     owner_applied_subject,
@@ -293,12 +291,18 @@ class CellOwner:
             q = parse_query(obj)
             profile = PrivacyProfile.from_mapping(routed["profile"], self.default_profile)
             transport = routed.get("transport", "mqtt")
+            reply = routed.get("reply")
+            reply = reply if isinstance(reply, str) and reply else None
         except (ValueError, KeyError, TypeError, InvalidInput):
             log_event(log, "bad_routed_query", logging.WARNING, cell=self.cell)
             return
         qkey = subject_token(q.query_id)
-        if msg.redelivered and await self._answered(token, qkey):
-            return  # a first attempt stored its answer before its owner died
+        if msg.redelivered:
+            stored = await self._answered(token, qkey)
+            if stored is not None:  # a first attempt stored its answer before its owner died
+                if reply is not None:
+                    await send_stored(self.nc, token, qkey, reply, stored)
+                return
         timing = Timing()
         started = time.monotonic()
         answer = await self._cloak_and_forward(token, qkey, q, profile, routed, timing)
@@ -309,25 +313,23 @@ class CellOwner:
         ).inc()
         added = time.monotonic() - started - timing.upstream
         self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
-        await self._acks.publish(
-            answer_subject(token, qkey),
+        await store_answer(
+            self._acks,
+            self.nc,
+            token,
+            qkey,
             json.dumps(answer.to_json(), separators=(",", ":")).encode(),
-            stream=ANSWERS_STREAM,
-            msg_id=answer_msg_id(token, qkey),
+            reply=reply,
             keep_trying=lambda: self._live,
         )
         self.counters["answers"] += 1
 
-    async def _answered(self, token: str, qkey: str) -> bool:
+    async def _answered(self, token: str, qkey: str) -> bytes | None:
+        """The query's stored answer, if there is one (None also when the stream cannot be read: recompute)."""
         try:
-            reply = await self.nc.request(
-                f"$JS.API.DIRECT.GET.{ANSWERS_STREAM}",
-                json.dumps({"last_by_subj": answer_subject(token, qkey)}).encode(),
-                timeout=2.0,
-            )
+            return await read_answer(self.nc, token, qkey)
         except Exception:
-            return False
-        return not (reply.headers or {}).get("Status")
+            return None
 
     async def _cloak_and_forward(
         self, token: str, qkey: str, q: Any, profile: PrivacyProfile, routed: dict[str, Any], timing: Timing
@@ -346,11 +348,24 @@ class CellOwner:
 
     async def _record_region(self, token: str, qkey: str, region: Region) -> Region:
         """The region to forward: this one, unless a first attempt of the query recorded another."""
+        key, data = region_key(token, qkey), region_json(region)
+        # Create-only on the PubAck inbox (a fraction of nats-py's KV create): stored only while the key holds
+        # no message; a duplicate PubAck means an earlier attempt's message is there.
+        fut = await self._acks.send(
+            f"$KV.{REGIONS_BUCKET}.{key}",
+            data,
+            stream=f"KV_{REGIONS_BUCKET}",
+            msg_id=f"region/{key}",
+            headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+        )
+        with contextlib.suppress(Exception):
+            if not isinstance(await asyncio.wait_for(fut, self._acks.timeout_s), DuplicateSeq):
+                return region
+        # Taken, or no PubAck: KV create decides (it fails when the key holds a region, ours or a first attempt's).
         if self._kv is None:
             self._kv = await self.js.key_value(REGIONS_BUCKET)
-        key = region_key(token, qkey)
         try:
-            await self._kv.create(key, region_json(region))
+            await self._kv.create(key, data)
             return region
         except Exception:
             entry = await self._kv.get(key)

@@ -419,6 +419,15 @@ async def publish_durably(
             pause = min(pause * 2, 1.0)
 
 
+class DuplicateSeq(int):
+    """A stream sequence whose PubAck said ``duplicate``: a message with the same ``Nats-Msg-Id`` was stored
+    before (this one was not)."""
+
+
+def _stored_seq(seq: Any, duplicate: Any) -> int:
+    return DuplicateSeq(seq) if duplicate else int(seq)
+
+
 class PubAcks:
     """JetStream publishes whose PubAcks are collected on one inbox of our own, for a micro-batch's events.
 
@@ -455,12 +464,15 @@ class PubAcks:
             if error:
                 fut.set_exception(JetStreamApiError(f"publish failed: {error.get('code')} {error.get('description')}"))
             else:
-                fut.set_result(int(resp["seq"]))
+                fut.set_result(_stored_seq(resp["seq"], resp.get("duplicate")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             fut.set_exception(JetStreamApiError(f"publish failed: bad PubAck ({type(exc).__name__})"))
 
-    async def send(self, subject: str, data: bytes, *, stream: str, msg_id: str) -> asyncio.Future[int]:
-        """Publish now; the future is the stream sequence from the PubAck (or the error)."""
+    async def send(
+        self, subject: str, data: bytes, *, stream: str, msg_id: str, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]:
+        """Publish now (with ``headers`` besides the message id and stream, e.g. an expected last sequence); the
+        future is the stream sequence from the PubAck (or the error)."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
             await self._ensure()
@@ -471,7 +483,7 @@ class PubAcks:
                 subject,
                 data,
                 reply=f"{self._prefix}.{token}",
-                headers={"Nats-Msg-Id": msg_id, "Nats-Expected-Stream": stream},
+                headers={"Nats-Msg-Id": msg_id, "Nats-Expected-Stream": stream, **(headers or {})},
             )
         except Exception as exc:
             if not fut.done():
@@ -507,7 +519,7 @@ class PubAcks:
             self.retries += 1
             js = self.nc.jetstream()
             ack = await publish_durably(js, subject, data, stream=stream, msg_id=msg_id, keep_trying=keep_trying)
-            seqs.append(int(ack.seq))
+            seqs.append(_stored_seq(ack.seq, ack.duplicate))
         for token in [t for t, f in self._waiting.items() if f.done()]:
             del self._waiting[token]
         return seqs

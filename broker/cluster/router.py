@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from kcloak.broker.cluster.answers import store_answer
 from kcloak.broker.cluster.moves import moves_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.topology import (
-    ANSWERS_STREAM,
     CELLQ_STREAM,
     CELLS_STREAM,
     IN_STREAM,
@@ -49,7 +49,6 @@ from kcloak.broker.cluster.topology import (
     PROFILES_BUCKET,
     Layout,
     answer_msg_id,
-    answer_subject,
     api_request,
     cell_subject,
     cellq_subject,
@@ -158,6 +157,7 @@ class Router:
         partition: int,
         start_delay_s: float = 0.0,
         clock: Callable[[], float] = time.time,
+        owner_seen: dict[int, float] | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -173,7 +173,8 @@ class Router:
         self.mode_refusal = cluster_refusal(config)
         self.users: dict[str, UserState] = {}
         self._cell_cache: dict[tuple[float, float], int] = {}
-        self._owner_seen: dict[int, float] = {}
+        # when each cell's owner last answered (monotonic); the worker shares one map among its routers
+        self._owner_seen: dict[int, float] = {} if owner_seen is None else owner_seen
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._profiles_complete = False
         self._kv: Any = None
@@ -570,17 +571,19 @@ class Router:
         await self._publish_fix(token, st, st.cell, body, f"profile/{time.time_ns()}")
 
     # -- queries -------------------------------------------------------------------------------
-    async def _answer(self, token: str, qid: str, answer: Answer, transport: str, kind: str) -> None:
-        """Store a refusal decided here as the query's one answer."""
-        qkey = subject_token(qid)
+    async def _answer(self, token: str, qid: str, answer: Answer, transport: str, kind: str, reply: str | None) -> None:
+        """Store a refusal decided here as the query's one answer (and send the stored one to ``reply``)."""
         self.metrics.queries.labels(
             transport=transport, kind=kind, status=answer.status, reason=answer.reason_label
         ).inc()
-        await self._publish(
-            answer_subject(token, qkey),
+        await store_answer(
+            self._acks,
+            self.nc,
+            token,
+            subject_token(qid),
             json.dumps(answer.to_json(), separators=(",", ":")).encode(),
-            ANSWERS_STREAM,
-            answer_msg_id(token, qkey),
+            reply=reply,
+            keep_trying=lambda: self.member.pinned,
         )
 
     async def _query(self, msg: Delivered, token: str, transport: str) -> None:
@@ -593,17 +596,19 @@ class Router:
         qid = obj.get("query_id")
         if not isinstance(qid, str):
             return
+        reply = msg.headers.get(REPLY_HEADER) or None  # the waiting gateway's inbox: where the answer goes
         try:
             q = parse_query(obj)
         except InvalidInput as exc:
             kind = obj.get("kind")
             label = kind if kind in ("range", "knn") else "unknown"
-            await self._answer(token, qid, Answer.refused(qid, ReasonCode.INVALID, str(exc), now), transport, label)
+            refusal = Answer.refused(qid, ReasonCode.INVALID, str(exc), now)
+            await self._answer(token, qid, refusal, transport, label, reply)
             return
         label = q.metric_kind
 
         async def refuse(code: ReasonCode, message: str) -> None:
-            await self._answer(token, qid, Answer.refused(qid, code, message, self.clock()), transport, label)
+            await self._answer(token, qid, Answer.refused(qid, code, message, self.clock()), transport, label, reply)
 
         if not self._query_buckets.take(token):
             return await refuse(ReasonCode.RATE_LIMITED, "query rate limit reached")
@@ -642,6 +647,8 @@ class Router:
             "transport": transport,
             "received": now,
         }
+        if reply is not None:
+            routed["reply"] = reply
         await self._publish(
             cellq_subject(st.cell),
             json.dumps(routed, separators=(",", ":")).encode(),

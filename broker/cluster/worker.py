@@ -111,6 +111,7 @@ class Worker:
         self._upstream = UpstreamClient.from_config(self.config.upstream, metrics=self.metrics)
         await self._upstream.__aenter__()
         self._querylog = QueryLog(querylog_path(self.config, self.name))
+        owner_seen: dict[int, float] = {}  # one live-owner check per cell and second for all the routers here
         for p in range(self.layout.partitions):
             self.routers.append(
                 Router(
@@ -121,6 +122,7 @@ class Worker:
                     metrics=self.metrics,
                     partition=p,
                     start_delay_s=self.spread_s * preference(f"in-{p}", self.name),
+                    owner_seen=owner_seen,
                 )
             )
         for c in range(self.layout.cells):

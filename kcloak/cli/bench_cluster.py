@@ -156,6 +156,7 @@ class Deployment:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     gateways: list[tuple[int, int]] = field(default_factory=list)  # (http port, mqtt port)
+    monitors: list[str] = field(default_factory=list)  # the NATS nodes' monitoring URLs
 
     def _spawn(self, role: str, argv: list[str]) -> subprocess.Popen[bytes]:
         from kcloak.cli._cluster_up import _die_with_parent
@@ -189,6 +190,7 @@ class Deployment:
         nodes = local_nodes(NATS_NODES, self.base / "nats")
         configs = write_cluster_configs(nodes, self.base / "nats" / "conf")
         self.urls = [n.client_url for n in nodes]
+        self.monitors = [n.monitor_url for n in nodes]
         for node, config in zip(nodes, configs, strict=True):
             self._spawn(f"nats-{node.name}", [str(binary), "-c", str(config)])
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -257,6 +259,16 @@ class Deployment:
             return True
         finally:
             await nc.close()
+
+    def nats_counts(self) -> tuple[int, int]:
+        """Messages the NATS nodes received, summed over the nodes: from clients (``/varz`` ``in_msgs`` less the
+        routes') and from the other nodes (``/routez``: replication, forwarded messages and interest)."""
+        client = route = 0
+        for url in self.monitors:
+            from_routes = sum(int(r["in_msgs"]) for r in json.loads(_get(f"{url}/routez")).get("routes") or [])
+            client += int(json.loads(_get(f"{url}/varz"))["in_msgs"]) - from_routes
+            route += from_routes
+        return client, route
 
     def metrics(self) -> list[str]:
         return [_get(f"http://127.0.0.1:{h}/metrics") for h, _ in self.gateways]
@@ -428,12 +440,14 @@ def _drive(
         body = {"query_id": f"bench-w{w}-{i}", "kind": "knn", "n": 3}
         return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
 
+    client3, route3 = dep.nats_counts()
     l3 = _cpu(lbs)
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     with ThreadPoolExecutor(max_workers=args.query_threads) as pool:
         results = list(pool.map(one, range(args.queries)))
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     l4 = _cpu(lbs)
+    client4, route4 = dep.nats_counts()
     query_s = t4 - t3
     answered = [body for status, body in results if status == 200 and "status" in body]
     ok = sum(1 for body in answered if body["status"] == "ok")
@@ -460,6 +474,10 @@ def _drive(
         "kcloak_cpu_us_per_query": per(k4 - k3, len(answered)),
         "nats_cpu_us_per_query": per(n4 - n3, len(answered)),
         "lbs_cpu_us_per_query": per(l4 - l3, len(answered)),
+        # NATS traffic over the query phase per answered query (idle pulls included): messages the 3 nodes
+        # received from clients and from each other
+        "nats_client_msgs_per_query": round((client4 - client3) / len(answered), 1) if answered else None,
+        "nats_route_msgs_per_query": round((route4 - route3) / len(answered), 1) if answered else None,
         # the same net of what the processes burn idle (pulls, heartbeats) over the phase: at a low rate the idle
         # cost of many pinned members is spread over few messages and grows with W by itself
         "kcloak_busy_cpu_us_per_fix": per(max(0.0, k2 - k1 - idle_kc * fix_s), accepted),

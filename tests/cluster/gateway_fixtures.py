@@ -21,6 +21,7 @@ from typing import Any
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from kcloak.broker.cluster.topology import (
@@ -156,10 +157,18 @@ async def intake_messages(cluster: NatsCluster) -> list[tuple[str, dict[str, str
 
 
 async def play_worker_for_query(
-    js: JetStreamContext, user: str, query_id: str, answer: dict[str, Any], timeout_s: float = 20.0
+    nc: NATS,
+    user: str,
+    query_id: str,
+    answer: dict[str, Any],
+    timeout_s: float = 20.0,
+    *,
+    reply: bool = True,
 ) -> dict[str, str]:
     """Wait until the query of ``user`` is in ``KCLOAK_IN``, then store ``answer`` as its one answer
-    (message id ``<token>/<qkey>``) as a cell owner does; returns the query message's headers."""
+    (message id ``<token>/<qkey>``) and, with ``reply``, send it to the query's ``Kcloak-Reply`` inbox, as a cell
+    owner does; returns the query message's headers."""
+    js = nc.jetstream(timeout=5.0)
     token = subject_token(user)
     subject = in_subject(partition_of(token, PARTITIONS), "query", token)
     deadline = time.monotonic() + timeout_s
@@ -180,4 +189,7 @@ async def play_worker_for_query(
         stream=ANSWERS_STREAM,
         headers={"Nats-Msg-Id": answer_msg_id(token, qkey)},
     )
-    return dict(msg.headers or {})
+    headers = dict(msg.headers or {})
+    if reply and headers.get("Kcloak-Reply"):
+        await nc.publish(headers["Kcloak-Reply"], json.dumps(answer).encode())
+    return headers

@@ -44,6 +44,9 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
         assert row[key] > 0, key
         busy = row[key.replace("_cpu_", "_busy_cpu_")]  # net of idle CPU: never more than the whole
         assert busy is not None and 0 <= busy <= row[key], key
+    # every answered query crossed NATS at least as its intake message, its routed copy and its stored answer,
+    # each published by a client; the 3 R3 nodes replicate them to each other
+    assert row["nats_client_msgs_per_query"] >= 3 and row["nats_route_msgs_per_query"] > 0
     assert report["overhead"]["verdict"].startswith("not measured")
     skew = report["skew"]
     populations = skew["cell_populations"]

@@ -87,10 +87,10 @@ def dropped(gw: Gateway, reason: str) -> float:
     )
 
 
-async def worker_answers(cluster: NatsCluster, user: str, query_id: str) -> dict[str, str]:
+async def worker_answers(cluster: NatsCluster, user: str, query_id: str, *, reply: bool = True) -> dict[str, str]:
     nc = await nats.connect(servers=cluster.urls)
     try:
-        return await play_worker_for_query(nc.jetstream(timeout=5.0), user, query_id, an_answer(query_id))
+        return await play_worker_for_query(nc, user, query_id, an_answer(query_id), reply=reply)
     finally:
         await nc.close()
 
@@ -230,3 +230,27 @@ def test_an_http_batch_of_two_users_gets_each_routers_outcome_in_item_order(
             {"index": 4, "code": "too_old"},
         ],
     }
+
+
+def test_a_stored_answer_whose_reply_was_missed_is_read_from_the_stream_after_the_contract_wait(
+    nats_cluster: NatsCluster, tmp_path: Path
+) -> None:
+    """The worker stores the answer but its core-NATS reply never comes (say the gateway's connection blinked):
+    the gateway still returns exactly that stored answer, read from ``KCLOAK_ANSWERS`` once its wait is over."""
+    config = tmp_path / "quick.toml"
+    config.write_text("[profile]\nmax_delay_s = 0.0\n[upstream]\ndeadline_s = 1.0\n", encoding="utf-8")
+    gw = start_gateway(nats_cluster, tmp_path, "--config", str(config))
+    user, qid = "dave", "q-missed"
+
+    async def scenario() -> tuple[tuple[int, Any], dict[str, str]]:
+        body = {"query_id": qid, "kind": "knn", "n": 1}
+        request = asyncio.create_task(asyncio.to_thread(http_json, "POST", gw.url(f"/v1/users/{user}/query"), body))
+        headers = await worker_answers(nats_cluster, user, qid, reply=False)
+        return await request, headers
+
+    try:
+        (status, answer), headers = asyncio.run(scenario())
+        assert headers["Kcloak-Reply"]  # the query named the inbox the answer should have come to
+        assert (status, answer) == (200, an_answer(qid))
+    finally:
+        gw.stop()
