@@ -682,6 +682,8 @@ def segment_buckets(
         clean &= np.diff(old.seg_pos)[old_j] == seg_len
         if len(dirty_hv):
             clean[np.searchsorted(seg_lo, dirty_hv, "right") - 1] = False
+        if 2 * int(seg_len[~clean].sum()) > n:  # most users to re-bucket: one pass over everyone is cheaper
+            clean[:] = False
     lon_key, lat_key = keys_sorted
     if not clean.any():  # everything from the curve order
         if s == 1:
