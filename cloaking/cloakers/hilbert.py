@@ -1086,7 +1086,7 @@ class HilbertCloak:
             ``group`` of a batch answer is then ``cell_group · cells + cell``.
         segment_factor: bucket chains restart at the curve's segments (:mod:`.hilbert_segments`),
             each holding at least this many times the largest stored ``k`` (rounded up to a power
-            of two; default 8); a move then re-buckets only the segments it leaves and enters.
+            of two; default 4); a move then re-buckets only the segments it leaves and enters.
             0: one chain over the whole curve.
     """
 

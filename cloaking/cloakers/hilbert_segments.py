@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
 
-SEGMENT_FACTOR = 8
+SEGMENT_FACTOR = 4
 """Default ``T`` in units of the largest stored ``k`` (rounded up to a power of two)."""
 
 
@@ -53,21 +53,28 @@ def curve_segments(hv_sorted: I64, order: int, threshold: int) -> I64:
     leaf_lo: list[I64] = []
     leaf_hi: list[I64] = []
     leaf_pop: list[I64] = []
-    lo = np.zeros(1, np.int64)
+    lo = np.zeros(1, np.int64)  # the nodes to split, by first value, and their first/last positions
+    p_lo = np.zeros(1, np.int64)
+    p_hi = np.full(1, n, np.int64)
     four = np.arange(4, dtype=np.int64)
     for d in range(order):  # split the nodes of depth d into their four children
         w = np.int64(1) << np.int64(2 * (order - d - 1))
         clo = (lo[:, None] + four * w).ravel()
-        chi = clo + w
-        pop = np.searchsorted(hv_sorted, chi) - np.searchsorted(hv_sorted, clo)
+        cpos = np.empty((len(lo), 5), np.int64)  # children's first positions, then the parent's end
+        cpos[:, 0] = p_lo
+        cpos[:, 4] = p_hi
+        cpos[:, 1:4] = np.searchsorted(hv_sorted, (lo[:, None] + four[1:] * w).ravel()).reshape(-1, 3)
+        start = cpos[:, :4].ravel()
+        end = cpos[:, 1:].ravel()
+        pop = end - start
         split = pop >= 2 * threshold
         if d + 1 == order:
             split[:] = False
         leaf = ~split
         leaf_lo.append(clo[leaf])
-        leaf_hi.append(chi[leaf])
+        leaf_hi.append(clo[leaf] + w)
         leaf_pop.append(pop[leaf])
-        lo = clo[split]
+        lo, p_lo, p_hi = clo[split], start[split], end[split]
         if not len(lo):
             break
     los = np.concatenate(leaf_lo)

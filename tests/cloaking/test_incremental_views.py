@@ -125,9 +125,9 @@ Scenario = tuple[int, list[tuple[Any, ...]], list[list[tuple[Any, ...]]]]
 CARRIED = [0]  # buckets carried over during the property's examples
 
 
-# Segments of the curve (hilbert_segments): 8 is the default (one segment at these sizes), 1 and 2
+# Segments of the curve (hilbert_segments): 8 (one segment at these sizes), 4 the default, 1 and 2
 # cut these populations into several segments, 0 is one chain over everyone.
-FACTORS = st.sampled_from([8, 1, 1, 2, 0])
+FACTORS = st.sampled_from([8, 4, 1, 1, 2, 0])
 SEGMENTS_KEPT = [0]  # buckets of unchanged segments taken over by views in several segments
 
 
