@@ -87,7 +87,7 @@ def curve_segments(hv_sorted: I64, order: int, threshold: int) -> I64:
 
 
 def _suffix_max_in_segments(k: I64, seg_start: I64) -> I64:
-    """``max(k[i : end of i's segment])`` for every ``i`` (segments given by their starts)."""
+    """``max(k[i : end of i's segment])`` for every ``i`` (segments given by their starts, each non-empty)."""
     m = len(k)
     s = len(seg_start)
     lengths = np.diff(np.append(seg_start, m))
@@ -132,10 +132,11 @@ def partition_segments(k_sorted: I64, seg_start: I64, bucket_ends: I64) -> I64:
     starts_sorted = np.argsort(starts, kind="stable")
     starts, owner = starts[starts_sorted], owner[starts_sorted]
     if leftover.any():  # merge each leftover backwards: keep starts up to the last valid one
-        suffix = _suffix_max_in_segments(k, seg_start)
-        valid = seg_end[owner] - starts >= suffix[starts]
-        idx = np.arange(len(starts), dtype=np.int64)
+        # max(k[b : segment end]) for each start b: per-bucket maxima, then from the back per segment
         first = np.searchsorted(owner, np.arange(s))
+        suffix = _suffix_max_in_segments(np.maximum.reduceat(k, starts), first)
+        valid = seg_end[owner] - starts >= suffix
+        idx = np.arange(len(starts), dtype=np.int64)
         last_valid = np.maximum.reduceat(np.where(valid, idx, -1), first)
         keep = ~leftover[owner] | (idx <= last_valid[owner])
         starts = starts[keep]

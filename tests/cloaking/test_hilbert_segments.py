@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kcloak.cloaking.cloakers.base import Refusal, Region
-from kcloak.cloaking.cloakers.hilbert import HilbertCloak
+from kcloak.cloaking.cloakers.hilbert import HilbertCloak, _bucket_ends, partition_buckets
+from kcloak.cloaking.cloakers.hilbert_segments import partition_segments
 from kcloak.cloaking.index import IndexView
 from kcloak.core.profile import PrivacyProfile
 
@@ -112,3 +113,18 @@ def test_some_views_had_several_segments() -> None:
         view = IndexView.from_points([f"u{i}" for i in range(n)], lat, lon, k=np.full(n, 3, np.int64))
         SEGMENTED[0] = int(len(HilbertCloak(segment_factor=1).state(view).buckets.seg_lo) > 1)
     assert SEGMENTED[0] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([1, 2, 3, 5, 8, 13]), min_size=1, max_size=40), min_size=1, max_size=8))
+def test_segments_are_cut_as_each_would_be_alone(parts: list[list[int]]) -> None:
+    """partition_segments over several segments at once equals the one-chain rule run on each
+    segment alone (segments are padded to hold their largest k, as the cut rule ensures)."""
+    segs = [p + [1] * max(0, max(p) - len(p)) for p in parts]
+    k = np.array([v for p in segs for v in p], np.int64)
+    seg_start = np.cumsum([0] + [len(p) for p in segs[:-1]]).astype(np.int64)
+    want: list[int] = []
+    for off, p in zip(seg_start.tolist(), segs, strict=True):
+        want += [off + b for b in partition_buckets(np.array(p, np.int64)).tolist()[:-1]]
+    got = partition_segments(k, seg_start, _bucket_ends(k, int(k.max())))
+    assert got.tolist() == want
