@@ -27,8 +27,14 @@ from kcloak.cloaking.cloakers.base import (
     Region,
     refuse,
 )
+from kcloak.cloaking.cloakers.hilbert_segments import (
+    SEGMENT_FACTOR,
+    curve_segments,
+    partition_segments,
+    segment_threshold,
+)
 from kcloak.cloaking.curve import ViewDelta, hilbert_indices
-from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, grid_coords
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
     EARTH_RADIUS_M,
@@ -482,7 +488,7 @@ class _Carry:
     :class:`~kcloak.cloaking.curve.ViewDelta` between the two views).
     """
 
-    __slots__ = ("amin", "area", "bbox", "geoms", "k_achieved", "mbr", "seq", "sized", "source")
+    __slots__ = ("amin", "area", "bbox", "buckets", "geoms", "k_achieved", "mbr", "seq", "sized", "source")
 
     def __init__(self, st: _HilbertState, source: int, seq: int) -> None:
         # The state's own per-bucket arrays (not the view): boxes grown and counted lazily after
@@ -496,20 +502,32 @@ class _Carry:
         self.sized = st.sized
         self.k_achieved = st.k_achieved
         self.geoms = st.geoms
+        self.buckets = _BucketCarry(st.buckets, st.view)
 
     def apply(self, st: _HilbertState, delta: ViewDelta) -> npt.NDArray[np.bool_]:
-        """Fill ``st``'s buckets that match one of this view's; returns which did."""
+        """Fill ``st``'s buckets that match one of this view's; returns which did.
+
+        The buckets of segments ``st`` kept (``st.buckets.kept_new``, from ``kept_old``) match by
+        construction; the others are matched on their ``(MBR, A_min)``.
+        """
+        nb = st.n_buckets
         if len(self.mbr) == 0:
-            return np.zeros(st.n_buckets, bool)
-        old_h = _box_hashes(self.mbr, self.amin)
-        order = np.argsort(old_h, kind="stable")
-        old_h = old_h[order]
-        h = _box_hashes(st.mbr, st.amin_arr)
-        pos = np.minimum(np.searchsorted(old_h, h), len(old_h) - 1)
-        at = order[pos]
-        hit = (old_h[pos] == h) & (self.mbr[at] == st.mbr).all(axis=1) & (self.amin[at] == st.amin_arr)
-        new = np.flatnonzero(hit)
-        old = at[new]
+            return np.zeros(nb, bool)
+        kept_new, kept_old = st.buckets.kept_new, st.buckets.kept_old
+        rest = np.ones(nb, bool)
+        rest[kept_new] = False
+        idx = np.flatnonzero(rest)
+        new, old = kept_new, kept_old
+        if len(idx):
+            old_h = _box_hashes(self.mbr, self.amin)
+            order = np.argsort(old_h, kind="stable")
+            old_h = old_h[order]
+            h = _box_hashes(st.mbr[idx], st.amin_arr[idx])
+            pos = np.minimum(np.searchsorted(old_h, h), len(old_h) - 1)
+            at = order[pos]
+            hit = (old_h[pos] == h) & (self.mbr[at] == st.mbr[idx]).all(axis=1) & (self.amin[at] == st.amin_arr[idx])
+            new = np.concatenate([new, idx[hit]])
+            old = np.concatenate([old, at[hit]])
         st.bbox[new] = self.bbox[old]
         st.area[new] = self.area[old]
         st.sized[new] = self.sized[old]
@@ -529,7 +547,8 @@ class _Carry:
             if change is not None:
                 k[counted] += change
         st.k_achieved[new] = k
-        out: npt.NDArray[np.bool_] = hit
+        out = np.zeros(nb, bool)
+        out[new] = True
         return out
 
 
@@ -542,6 +561,198 @@ def _per_bucket(op: np.ufunc, column: F64, rows: I64, bounds: I64) -> F64:
     return out
 
 
+def _ranges(starts: I64, lengths: I64) -> I64:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    out: I64 = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Buckets:
+    """A view's buckets and the segments they were cut in (:mod:`.hilbert_segments`).
+
+    Bucket ``b`` is curve positions ``[bounds[b], bounds[b + 1])``; segment ``s`` holds the users
+    with Hilbert values from ``seg_lo[s]`` on, curve positions ``[seg_pos[s], seg_pos[s + 1])`` and
+    buckets ``[seg_b[s], seg_b[s + 1])``. ``bucket_of`` is each view row's bucket (−1: not placed).
+    """
+
+    seg_lo: I64
+    seg_pos: I64
+    seg_b: I64
+    bounds: I64
+    bucket_of: I64
+    sizes: I64
+    amin: F64
+    amax: F64
+    mbr: I64
+    kept_new: I64
+    """Buckets taken over unchanged from the previous view's (with the segment that holds them) …"""
+    kept_old: I64
+    """… and their numbers in the previous view."""
+
+
+class _BucketCarry:
+    """A view's :class:`Buckets` with the view columns they depend on, for the next view of the index."""
+
+    __slots__ = ("buckets", "k", "max_area", "min_area", "rows", "salt", "seed")
+
+    def __init__(self, buckets: Buckets, view: IndexView) -> None:
+        self.buckets = buckets
+        self.k = view.k
+        self.min_area = view.min_area_m2
+        self.max_area = view.max_area_m2
+        self.salt = view.salt
+        self.seed = view.seed
+        self.rows = view._lookup.rows if view._lookup is not None else None
+
+    def dirty_hv(self, view: IndexView, delta: ViewDelta, hv_sorted: I64) -> I64 | None:
+        """Hilbert values (level 29) around which segments may have changed since this carry's view:
+        the points that left or entered, users whose stored profile or salt changed, and every tie
+        when the seed changed. None when the view's rows stand for other index rows (a user arrived
+        or left): then every segment is cut again."""
+        lookup = view._lookup
+        b = self.buckets
+        if (
+            lookup is None
+            or self.rows is None
+            or len(lookup.rows) != len(self.rows)
+            or (len(b.bounds) and int(b.bounds[-1]) != len(b.bucket_of))  # somebody was not placed
+            or not np.array_equal(lookup.rows, self.rows)
+        ):
+            return None
+        changed = (view.k != self.k) | (view.salt != self.salt)
+        changed |= view.min_area_m2 != self.min_area
+        changed |= view.max_area_m2 != self.max_area
+        at = np.flatnonzero(changed)
+        lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key, view.lon_key[at]])
+        lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key, view.lat_key[at]])
+        hv = hilbert_indices(grid_coords(lon, "lon"), grid_coords(lat, "lat"))
+        if view.seed != self.seed:  # tied users are put in a new order
+            tied = hv_sorted[1:] == hv_sorted[:-1]
+            hv = np.concatenate([hv, hv_sorted[1:][tied]])
+        return hv
+
+
+def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, bounds: I64) -> tuple[F64, F64, I64]:
+    """Largest stored A_min, smallest max area and MBR of each bucket of ``rows`` (curve order)."""
+    if len(bounds) < 2:
+        return np.zeros(0), np.zeros(0), np.zeros((0, 4), np.int64)
+    amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
+    amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
+    lon0, lon1 = group_extents(lon_key, bounds)
+    lat0, lat1 = group_extents(lat_key, bounds)
+    return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1)
+
+
+def segment_buckets(
+    view: IndexView,
+    rows: I64,
+    hv_sorted: I64,
+    keys_sorted: tuple[I64, I64],
+    order: int,
+    factor: int,
+    prev: _BucketCarry | None = None,
+    dirty_hv: I64 | None = None,
+) -> Buckets:
+    """The buckets of a view whose users are ``rows`` in curve order (values ``hv_sorted``, exact
+    coordinate keys ``keys_sorted``).
+
+    Segments come from :func:`curve_segments` with :func:`segment_threshold` (``factor`` 0: one
+    chain over everyone). With the previous view's carry and the values around which anything
+    changed (``dirty_hv``), a segment with the same bounds, the same population and no changed
+    value keeps its buckets (positions shifted); the others are cut again.
+    """
+    n = len(rows)
+    threshold = segment_threshold(int(view.k.max()) if n else 1, factor)
+    seg_lo = curve_segments(hv_sorted, order, threshold)
+    seg_pos = np.append(np.searchsorted(hv_sorted, seg_lo), n).astype(np.int64)
+    s = len(seg_lo)
+    seg_len = np.diff(seg_pos)
+    clean = np.zeros(s, bool)
+    old_j = np.zeros(s, np.int64)
+    if prev is not None and dirty_hv is not None:
+        old = prev.buckets
+        top = np.int64(1) << np.int64(2 * order)
+        old_j = np.minimum(np.searchsorted(old.seg_lo, seg_lo), len(old.seg_lo) - 1)
+        old_hi = np.append(old.seg_lo[1:], top)
+        clean = (old.seg_lo[old_j] == seg_lo) & (old_hi[old_j] == np.append(seg_lo[1:], top))
+        clean &= np.diff(old.seg_pos)[old_j] == seg_len
+        if len(dirty_hv):
+            clean[np.searchsorted(seg_lo, dirty_hv, "right") - 1] = False
+        if 2 * int(seg_len[~clean].sum()) > n:  # most users to re-bucket: one pass over everyone is cheaper
+            clean[:] = False
+    lon_key, lat_key = keys_sorted
+    if not clean.any():  # everything from the curve order
+        if s == 1:
+            bounds = partition_buckets(view.k[rows])
+        else:
+            k = np.maximum(view.k[rows], 1)
+            bounds = np.append(partition_segments(k, seg_pos[:-1], _bucket_ends(k, int(k.max()))), n)
+        nb = len(bounds) - 1
+        sizes = np.diff(bounds)
+        bucket_of = np.full(n, -1, np.int64)
+        if nb:
+            bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
+        seg_b = np.searchsorted(bounds, seg_pos).astype(np.int64) if nb else np.zeros(s + 1, np.int64)
+        amin, amax, mbr = _bucket_columns(view, rows, lon_key, lat_key, bounds)
+        none = np.zeros(0, np.int64)
+        return Buckets(seg_lo, seg_pos, seg_b, bounds, bucket_of, sizes, amin, amax, mbr, none, none)
+    assert prev is not None
+    old = prev.buckets
+    # The segments to cut again, laid end to end (d_start: where each starts in that run).
+    dirty = np.flatnonzero(~clean)
+    d_len = seg_len[dirty]
+    dpos = _ranges(seg_pos[dirty], d_len)
+    d_start = np.cumsum(d_len) - d_len
+    if len(dpos):
+        d_rows = rows[dpos]
+        k = np.maximum(view.k[d_rows], 1)
+        local = partition_segments(k, d_start, _bucket_ends(k, int(k.max())))
+    else:
+        d_rows = dpos
+        local = np.zeros(0, np.int64)
+    d_bounds = np.append(local, len(dpos))
+    d_sizes = np.diff(d_bounds)
+    cnt_d = np.bincount(np.searchsorted(d_start, local, "right") - 1, minlength=len(dirty))
+    d_amin, d_amax, d_mbr = _bucket_columns(view, d_rows, lon_key[dpos], lat_key[dpos], d_bounds)
+    # The others keep their buckets, numbered after the buckets before them.
+    kept = np.flatnonzero(clean)
+    kj = old_j[kept]
+    cnt_c = np.diff(old.seg_b)[kj]
+    cnt = np.zeros(s, np.int64)
+    cnt[kept] = cnt_c
+    cnt[dirty] = cnt_d
+    seg_b = np.append(np.cumsum(cnt) - cnt, int(cnt.sum())).astype(np.int64)
+    nb = int(seg_b[-1])
+    ob = _ranges(old.seg_b[kj], cnt_c)
+    nbi_c = _ranges(seg_b[kept], cnt_c)
+    nbi_d = _ranges(seg_b[dirty], cnt_d)
+    starts = np.empty(nb, np.int64)
+    starts[nbi_c] = old.bounds[ob] + np.repeat(seg_pos[kept] - old.seg_pos[kj], cnt_c)
+    starts[nbi_d] = dpos[local]
+    sizes = np.empty(nb, np.int64)
+    sizes[nbi_c] = old.sizes[ob]
+    sizes[nbi_d] = d_sizes
+    amin = np.empty(nb)
+    amin[nbi_c] = old.amin[ob]
+    amin[nbi_d] = d_amin
+    amax = np.empty(nb)
+    amax[nbi_c] = old.amax[ob]
+    amax[nbi_d] = d_amax
+    mbr = np.empty((nb, 4), np.int64)
+    mbr[nbi_c] = old.mbr[ob]
+    mbr[nbi_d] = d_mbr
+    # Each row's bucket: the kept buckets renumbered through a small table, the others written.
+    table = np.zeros(len(old.sizes), np.int64)
+    table[ob] = nbi_c
+    bucket_of = table[old.bucket_of]  # table lookups: the table stays in cache
+    bucket_of[d_rows] = np.repeat(nbi_d, d_sizes)
+    return Buckets(seg_lo, seg_pos, seg_b, np.append(starts, n), bucket_of, sizes, amin, amax, mbr, nbi_c, ob)
+
+
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
@@ -552,6 +763,7 @@ class _HilbertState:
         algorithm: str,
         view_rows: I64 | None = None,
         carry: _Carry | None = None,
+        segment_factor: int = SEGMENT_FACTOR,
     ) -> None:
         self.view = view
         self.view_rows = view_rows
@@ -579,48 +791,43 @@ class _HilbertState:
         self.hv_sorted = hv_sorted
         self.lon_key_sorted = lon_key_sorted
         self.lat_key_sorted = lat_key_sorted
-        bounds = partition_buckets(view.k[rows])
+        prev = carry.buckets if carry is not None else None
+        delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
+        dirty_hv = prev.dirty_hv(view, delta, hv_sorted) if prev is not None and delta is not None else None
+        bk = segment_buckets(
+            view, rows, hv_sorted, (lon_key_sorted, lat_key_sorted), order, segment_factor, prev, dirty_hv
+        )
+        self.buckets: Buckets = bk
+        """The buckets with their segments (what the next view re-uses where a segment is unchanged)."""
+        bounds = bk.bounds
         self.bounds = bounds
         nb = len(bounds) - 1
         self.n_buckets = nb
-        sizes = np.diff(bounds)
-        bucket_of = np.full(n, -1, np.int64)
-        if nb:
-            bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
-        self.bucket_arr = bucket_of
+        sizes = bk.sizes
+        self.bucket_arr = bk.bucket_of
         self.size_arr = sizes
         self.size: list[int] = sizes.tolist()
-        if nb:
-            amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
-            amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
-            lon0, lon1 = group_extents(self.lon_key_sorted, bounds)
-            lat0, lat1 = group_extents(self.lat_key_sorted, bounds)
-            mbr = bboxes_around_keys(lon0, lat0, lon1, lat1)
-        else:
-            amin = np.zeros(0)
-            amax = np.zeros(0)
-            mbr = np.zeros((0, 4), np.int64)
-        self.amin_arr = amin
+        amin, amax, mbr = bk.amin, bk.amax, bk.mbr
+        self.amin_arr: F64 = amin
         self.amin: list[float] = amin.tolist()
         # A bucket is served only if its region fits every member's stored max_area_m2: a member
         # refused on its own would shrink the candidate set below k (reciprocity, §1.5).
         self.amax_arr = amax
         self.amax: list[float] = amax.tolist()
-        self.mbr = mbr
+        self.mbr: I64 = mbr
         # Final region of each bucket (after growth to its stored A_min): the box and area now for
         # the buckets that need no growth, lazily for the others (expand_to_area is scalar); exact
         # counts now from the curve order, lazily where a cover is too crowded. A bucket with the
         # same MBR and A_min as one of the previous view's takes that one's box, area and count
         # (the count corrected by the points that left or entered the box): all three depend on
         # the box and the points only.
-        self.bbox = mbr.copy()
-        self.area = np.zeros(nb)
-        self.sized = np.zeros(nb, bool)
-        self.k_achieved = np.full(nb, _UNCOUNTED, np.int64)
+        self.bbox: I64 = mbr.copy()
+        self.area: F64 = np.zeros(nb)
+        self.sized: npt.NDArray[np.bool_] = np.zeros(nb, bool)
+        self.k_achieved: I64 = np.full(nb, _UNCOUNTED, np.int64)
         self.geoms: npt.NDArray[np.object_] = np.full(nb, None, object)
         """Shapely box of each counted bucket's final box, made when the next view carries it."""
         fresh = np.ones(nb, bool)
-        delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
         if carry is not None and delta is not None and nb:
             fresh = ~carry.apply(self, delta)
         self.carried = nb - int(np.count_nonzero(fresh))
@@ -809,8 +1016,11 @@ class _CelledState:
     is judged on the cell's population, exactly as a worker owning that cell alone would.
     """
 
-    def __init__(self, view: IndexView, cells: CellMap, order: int, algorithm: str) -> None:
+    def __init__(
+        self, view: IndexView, cells: CellMap, order: int, algorithm: str, segment_factor: int = SEGMENT_FACTOR
+    ) -> None:
         self.view = view
+        self.segment_factor = segment_factor
         self.order = order
         self.algorithm = algorithm
         self.n_cells = cells.cells
@@ -832,7 +1042,13 @@ class _CelledState:
         st = self._states.get(c)
         if st is None:
             rows = self.rows_of[c]
-            st = _HilbertState(cell_view(self.view, rows), self.order, self.algorithm, view_rows=rows)
+            st = _HilbertState(
+                cell_view(self.view, rows),
+                self.order,
+                self.algorithm,
+                view_rows=rows,
+                segment_factor=self.segment_factor,
+            )
             self._states[c] = st
         return st
 
@@ -868,6 +1084,10 @@ class HilbertCloak:
             one curve over everyone). With a map, buckets restart at each cell and each cell's
             users are cloaked as if the view held them alone (see :class:`_CelledState`); the
             ``group`` of a batch answer is then ``cell_group · cells + cell``.
+        segment_factor: bucket chains restart at the curve's segments (:mod:`.hilbert_segments`),
+            each holding at least this many times the largest stored ``k`` (rounded up to a power
+            of two; default 4); a move then re-buckets only the segments it leaves and enters.
+            0: one chain over the whole curve.
     """
 
     name: ClassVar[str] = "hilbert"
@@ -878,14 +1098,19 @@ class HilbertCloak:
     incremental_views: ClassVar[bool] = True
     """A view of a :class:`PositionIndex` takes over the previous view's buckets where unchanged."""
 
-    def __init__(self, *, order: int = GRID_BITS, cells: CellMap | None = None) -> None:
+    def __init__(
+        self, *, order: int = GRID_BITS, cells: CellMap | None = None, segment_factor: int = SEGMENT_FACTOR
+    ) -> None:
         if not 1 <= order <= GRID_BITS:
             raise ValueError(f"order: must be within [1, {GRID_BITS}]")
+        if segment_factor < 0:
+            raise ValueError("segment_factor: must be ≥ 0 (0: one bucket chain over the whole curve)")
+        self.segment_factor = segment_factor
         if cells is not None and cells.order != order:
             raise ValueError("cells: the cell map's order must equal the cloaker's order")
         self.order = order
         self.cells = cells
-        self._key: tuple[object, ...] = ("hilbert", order) if cells is None else ("hilbert", order, cells)
+        self._key: tuple[object, ...] = ("hilbert", order, segment_factor, cells)
         self._carry: _Carry | None = None
 
     def state(self, view: IndexView) -> _HilbertState:
@@ -894,7 +1119,7 @@ class HilbertCloak:
             raise ValueError("state: this cloaker has a cell map (use celled_state)")
         st: _HilbertState | None = view.cache.get(self._key)
         if st is None:
-            st = _HilbertState(view, self.order, self.name, carry=self._carry)
+            st = _HilbertState(view, self.order, self.name, carry=self._carry, segment_factor=self.segment_factor)
             view.cache[self._key] = st
             self._carry = st.carry()
         return st
@@ -905,7 +1130,7 @@ class HilbertCloak:
             raise ValueError("celled_state: this cloaker has no cell map")
         st: _CelledState | None = view.cache.get(self._key)
         if st is None:
-            st = _CelledState(view, self.cells, self.order, self.name)
+            st = _CelledState(view, self.cells, self.order, self.name, self.segment_factor)
             view.cache[self._key] = st
         return st
 
@@ -1035,6 +1260,7 @@ class HilbertCloak:
 
 
 __all__ = [
+    "Buckets",
     "HilbertCloak",
     "bbox_areas_m2",
     "bboxes_around_keys",
@@ -1049,6 +1275,7 @@ __all__ = [
     "key_boxes",
     "order_ties",
     "partition_buckets",
+    "segment_buckets",
     "super_bucket_levels",
     "tie_keys",
 ]
