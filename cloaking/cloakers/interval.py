@@ -800,6 +800,11 @@ class QuadtreeCarrier:
             self._carry = qt.carry(view)
         return qt
 
+    def carried_over(self, view: IndexView) -> bool:
+        """Whether the view's counts were patched from the previous view's (False before first use)."""
+        qt: QuadtreeCounts | None = view.cache.get(QuadtreeCounts.CACHE_KEY)
+        return qt is not None and qt.carried
+
 
 def reciprocal_partition(view: IndexView, root: Root, deepest: int) -> tuple[I64, npt.NDArray[np.bool_]]:
     """The reciprocal quadtree of §4.2 [design]: each view row's leaf level, and whether its leaf stands alone.

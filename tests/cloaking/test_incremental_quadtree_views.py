@@ -62,8 +62,7 @@ def scenarios_off_grid(draw: Any) -> Scenario:
 
 def patched(cloaker: Any, view: IndexView) -> int:
     """1 when the view's counts were patched from the previous view's (read after the view was used)."""
-    qt = view.cache.get(QuadtreeCounts.CACHE_KEY)  # none when nobody was cloaked on the view
-    return int(qt is not None and qt.carried)
+    return int(cloaker.carried_over(view))
 
 
 def with_patch_fraction(fraction: int) -> Iterator[None]:
