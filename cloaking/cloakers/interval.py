@@ -206,7 +206,9 @@ class QuadtreeCounts:
 
     __slots__ = (
         "_lat_key",
+        "_lat_keys",
         "_lon_key",
+        "_lon_keys",
         "_order",
         "carried",
         "codes",
@@ -233,6 +235,8 @@ class QuadtreeCounts:
         self.n = len(view)
         self._lon_key = view.lon_key
         self._lat_key = view.lat_key
+        self._lon_keys = _ints(np.ascontiguousarray(self._lon_key))  # Python ints for single calls
+        self._lat_keys = _ints(np.ascontiguousarray(self._lat_key))
         link = view.index_rows
         self.view_of: I64 | None = None if link is None else link[1]
         self._order: I64 | None = None
@@ -358,7 +362,7 @@ class QuadtreeCounts:
 
     def grid(self, row: int) -> tuple[int, int]:
         """Level-29 grid coordinates of view row ``row`` (as ``view.gx[row], view.gy[row]``)."""
-        return grid_coord(int(self._lon_key[row]), "lon"), grid_coord(int(self._lat_key[row]), "lat")
+        return grid_coord(self._lon_keys[row], "lon"), grid_coord(self._lat_keys[row], "lat")
 
     def locate(self, gx: int, gy: int) -> tuple[int, int]:
         """Morton code of a present user's grid position and the first index of it in :attr:`codes`."""
