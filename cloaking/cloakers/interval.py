@@ -785,6 +785,12 @@ class QuadtreeCarrier:
             self._carry = qt.carry(view)
         return qt
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle of the cloaker leaves the carried counts behind (they hold memoryviews)."""
+        state = dict(self.__dict__)
+        state.pop("_carry", None)
+        return state
+
     def carried_over(self, view: IndexView) -> bool:
         """Whether the view's counts were patched from the previous view's (False before first use)."""
         qt: QuadtreeCounts | None = view.cache.get(QuadtreeCounts.CACHE_KEY)

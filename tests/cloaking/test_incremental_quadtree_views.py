@@ -8,6 +8,7 @@ users strictly between micro-degrees too (the edge strips' counts are patched as
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +20,8 @@ from kcloak.cloaking.cloakers import Cloaker
 from kcloak.cloaking.cloakers.casper import CasperCloak
 from kcloak.cloaking.cloakers.interval import IntervalCloak, QuadtreeCounts
 from kcloak.cloaking.index import IndexView, PositionIndex
-from tests.cloaking.test_incremental_views import SLOW_OK, T0, Scenario, run_steps, scenarios
+from kcloak.core.profile import PrivacyProfile
+from tests.cloaking.test_incremental_views import SLOW_OK, T0, Scenario, outcome, run_steps, scenarios
 
 CLOAKERS: dict[str, Callable[[], Cloaker]] = {
     "casper": CasperCloak,
@@ -131,3 +133,22 @@ def test_a_view_that_does_not_directly_follow_is_built_from_scratch() -> None:
     assert not live.counts(other.snapshot(T0, epoch=4, seed=4)).carried
     index.update("u5", 39.97, 116.45, T0 + 1)
     assert live.counts(index.snapshot(T0 + 1, epoch=5, seed=5)).carried is False  # its carry was the other index's
+
+
+def test_a_cloaker_that_carries_counts_still_pickles() -> None:
+    """A cloaker is configuration: pickled (or copied) after use, it leaves the carried counts behind
+    and starts the next view from scratch, answering the same."""
+    index = small_index()
+    live = CasperCloak(tie="vertical")
+    view = index.snapshot(T0, epoch=1, seed=1)
+    live.counts(view)
+    index.update("u3", 39.95, 116.45, T0 + 1)
+    clone = pickle.loads(pickle.dumps(live))
+    assert clone.tie == "vertical"
+    nxt = index.snapshot(T0 + 1, epoch=2, seed=2)
+    fresh = IndexView.from_points(nxt.user_ids, nxt.lat, nxt.lon, now=nxt.now)
+    for row in range(len(nxt)):
+        got = clone.cloak(nxt, row, PrivacyProfile(k=3))
+        want = CasperCloak(tie="vertical").cloak(fresh, row, PrivacyProfile(k=3))
+        assert outcome(got, nxt.user_ids) == outcome(want, fresh.user_ids)
+    assert not clone.carried_over(nxt)
