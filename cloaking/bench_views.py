@@ -168,6 +168,7 @@ def _views_of(
         inc_ms: list[float] = []
         snap_ms: list[float] = []
         scratch_ms: list[float] = []
+        carried = 0
         for _ in range(config.rounds):
             who = rng.choice(n, b, replace=False)
             lat[who] += rng.normal(0.0, step, b)
@@ -182,6 +183,7 @@ def _views_of(
             t1 = time.perf_counter()
             _prepare(live, view, by_k)
             t2 = time.perf_counter()
+            carried += bool(getattr(live, "carried_over", lambda v: True)(view))
             ref = index.snapshot_from_scratch(now, epoch=epoch, seed=epoch)
             _prepare(cls(), ref, by_k)
             t3 = time.perf_counter()
@@ -201,6 +203,7 @@ def _views_of(
                 "incremental_snapshot_ms": _stats(snap_ms),
                 "scratch_ms": _stats(scratch_ms),
                 "speedup": float(np.median(scratch_ms) / np.median(inc_ms)),
+                "carried_views": carried if hasattr(live, "carried_over") else None,
             }
         )
     row["mismatches"] = mismatches

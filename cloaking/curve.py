@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +77,10 @@ def _hilbert_chunk(xs: npt.NDArray[np.int32], ys: npt.NDArray[np.int32], d: I64,
         ys ^= tmp
 
 
+def _no_rows() -> I64:
+    return np.zeros(0, np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class ViewDelta:
     """Points (exact keys) that left and entered the present set since snapshot ``seq − 1`` of ``source``."""
@@ -87,6 +91,10 @@ class ViewDelta:
     removed_lat_key: I64
     added_lon_key: I64
     added_lat_key: I64
+    removed_rows: I64 = field(default_factory=_no_rows)
+    """Index rows of the points that left (one entry per point; empty when not recorded)."""
+    added_rows: I64 = field(default_factory=_no_rows)
+    """Index rows of the points that entered."""
 
     def __len__(self) -> int:
         return len(self.removed_lon_key) + len(self.added_lon_key)
@@ -102,6 +110,8 @@ class ViewDelta:
             np.concatenate([d.removed_lat_key for d in steps]),
             np.concatenate([d.added_lon_key for d in steps]),
             np.concatenate([d.added_lat_key for d in steps]),
+            np.concatenate([d.removed_rows for d in steps]),
+            np.concatenate([d.added_rows for d in steps]),
         )
 
 
@@ -252,7 +262,9 @@ class CurveOrder:
         self._n = n
         self._present[:n] = present
         self.seq += 1
-        delta = ViewDelta(self.source, self.seq, removed_lon, removed_lat, self.lon_key[entered], self.lat_key[entered])
+        delta = ViewDelta(
+            self.source, self.seq, removed_lon, removed_lat, self.lon_key[entered], self.lat_key[entered], left, entered
+        )
         self._recent.append(delta)
         p = present[self._rows]
         return CurveStep(

@@ -405,6 +405,11 @@ class IndexView:
             self._user_ids = self._lookup.user_ids()
         return self._user_ids
 
+    @property
+    def index_rows(self) -> tuple[I64, I64] | None:
+        """For a view of a :class:`PositionIndex`: (view row → index row, index row → view row or −1)."""
+        return None if self._lookup is None else (self._lookup.rows, self._lookup.view_of)
+
     @cached_property
     def row_of(self) -> dict[str, int]:
         """User id → view row."""

@@ -32,6 +32,7 @@ from kcloak.cloaking.cloakers.interval import (
     ST_K,
     UNSUPPORTED_L,
     WORLD_ROOT,
+    QuadtreeCarrier,
     QuadtreeCounts,
     Root,
     batch_prologue,
@@ -89,13 +90,11 @@ def _casper_scalar(
     range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
     checked that the root holds ``k`` users; ``bottom`` is the level the climb starts from.
     """
-    gx = qt.gx[row]
-    gy = qt.gy[row]
+    gx, gy = qt.grid(row)
     if a_min > 0 and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min:
         return None
-    p = qt.pos[row]
+    code, p = qt.locate(gx, gy)
     codes = qt.codes
-    code = codes[p]
     h = deepest_level(qt, p, code, gx, gy, k, a_min, root_level, bottom)
     if h < bottom:
         level = h + 1
@@ -149,13 +148,13 @@ def _rect_region_of(
     i0, j0, i1, j1 = ranges
     if kind == KIND_VPAIR:
         rect = cell_rect_udeg(level, cx, cy & ~1, cx, cy | 1)
-        anon = np.concatenate((qt.order[i0:j0], qt.order[i1:j1]))
+        anon = np.concatenate((qt.members(i0, j0), qt.members(i1, j1)))
     elif kind == KIND_HPAIR:
         rect = cell_rect_udeg(level, cx & ~1, cy, cx | 1, cy)
-        anon = qt.order[i0:j0]
+        anon = qt.members(i0, j0)
     else:
         rect = cell_rect_udeg(level, cx, cy, cx, cy)
-        anon = qt.order[i0:j0]
+        anon = qt.members(i0, j0)
     return rect_region(view, qt, algorithm, rect, (j0 - i0) + (j1 - i1), anon)
 
 
@@ -317,7 +316,7 @@ def leaf_levels(view: IndexView, root: Root, deepest: int, tie_h: bool) -> I64:
 # -- the cloaker -----------------------------------------------------------------------------
 
 
-class CasperCloak:
+class CasperCloak(QuadtreeCarrier):
     """Casper, basic or adaptive (CONCEPTS §4.3); not reciprocal.
 
     Keyword arguments:
@@ -336,6 +335,7 @@ class CasperCloak:
     supports_l: ClassVar[bool] = False
     cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
     vectorized: ClassVar[bool] = True
+    incremental_views: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -360,12 +360,13 @@ class CasperCloak:
         """Cloak the request of view row ``row`` (the §4.3 pseudocode, computed as described above)."""
         if profile.l > 1:
             return UNSUPPORTED_L
-        qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or QuadtreeCounts.of(view)
+        qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or self.counts(view)
         k = profile.k
         root = self.root
         if self._root_level:
             s0 = GRID_BITS - root[0]
-            if qt.gx[row] >> s0 != root[1] or qt.gy[row] >> s0 != root[2]:
+            gx, gy = qt.grid(row)
+            if gx >> s0 != root[1] or gy >> s0 != root[2]:
                 return shortfall(qt.n, k) if qt.n < k else OUTSIDE_ROOT
         if qt.root_count(root) < k:
             return shortfall(qt.n, k)
@@ -380,7 +381,7 @@ class CasperCloak:
         memo = qt.regions[self.name]
         region = memo.get(key)
         if region is None:
-            gx, gy = qt.gx[row], qt.gy[row]
+            gx, gy = qt.grid(row)
             region = memo[key] = _rect_region_of(view, qt, self.name, level, kind, gx, gy, ranges)
         return fit_profile(view, region, profile)
 
@@ -390,7 +391,7 @@ class CasperCloak:
         out = BatchResult.empty(self.name, view.epoch, len(rows))
         if len(rows) == 0:
             return out
-        qt = QuadtreeCounts.of(view)
+        qt = self.counts(view)
         live, codes, gx, gy = batch_prologue(qt, view, out, rows, profiles, self.root)
         k = profiles.k[live]
         a_min = profiles.min_area_m2[live]

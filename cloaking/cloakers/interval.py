@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from typing import ClassVar, Literal
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakMode, CloakResult, Region, finish_region, refuse
-from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords, morton_codes
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
     UDEG_PER_DEG,
@@ -35,6 +36,8 @@ from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 F64 = npt.NDArray[np.float64]
+Hint = bytes | bytearray
+"""Hashed occupancy bytes of an edge strip (see :func:`_strip_hint`)."""
 Root = tuple[int, int, int]
 """A quadtree cell ``(level, cx, cy)``; ``(0, 0, 0)`` is the whole grid."""
 
@@ -170,21 +173,46 @@ def levels_of(root: Root, depth_max: int | None) -> tuple[int, int]:
 # -- per-view counting structure ---------------------------------------------------------------
 
 
+class QuadtreeCarry:
+    """What a view's :class:`QuadtreeCounts` leaves for the next view of the same index: its sorted
+    columns (immutable, shared; the next view makes patched copies, docs/views.md "casper and
+    interval") and which snapshot of which index they describe."""
+
+    __slots__ = ("counts", "index_len", "seq", "source")
+
+    def __init__(self, counts: QuadtreeCounts, source: int, seq: int, index_len: int) -> None:
+        self.counts = counts
+        self.source = source
+        self.seq = seq
+        self.index_len = index_len
+
+
 class QuadtreeCounts:
     """Per-view state of the quadtree cloakers, built once and cached in ``view.cache``.
 
     Sorted level-29 Morton codes as a list (``bisect``: O(log n) per cell count) and as an array
-    (``np.searchsorted`` for batches), the view rows in code order and each row's index in it; two
-    sorted "edge strip" keys, with hashed occupancy hints, so that the users strictly between a
-    published lower edge and the cells' lower edge (§2.2; ``view.edge_extras``) are counted with
-    bisects too, and usually without any; and the memo of published regions.
+    (``np.searchsorted`` for batches), with the rows of the users in the same order (index rows for
+    a view of a :class:`~kcloak.cloaking.index.PositionIndex`, else view rows); two sorted "edge
+    strip" keys, with hashed occupancy hints, so that the users strictly between a published lower
+    edge and the cells' lower edge (§2.2; ``view.edge_extras``) are counted with bisects too, and
+    usually without any; and the memo of published regions.
+
+    Given the :class:`QuadtreeCarry` of the view of the directly preceding snapshot of the same
+    index, the sorted columns are that view's, patched with the delta (the points that left are
+    deleted, those that entered inserted: O(n) memory moves, O(B log n) searches for B changes);
+    otherwise, or when the change is large, they are sorted from scratch. Both give the same
+    columns (equal values may sit in another order, which no count or set depends on).
     """
 
     __slots__ = (
+        "_lat_key",
+        "_lat_keys",
+        "_lon_key",
+        "_lon_keys",
+        "_order",
+        "carried",
         "codes",
         "codes_array",
-        "gx",
-        "gy",
         "hint_bits",
         "lat_hint",
         "lat_strip",
@@ -193,39 +221,120 @@ class QuadtreeCounts:
         "lon_strip",
         "lon_strip_array",
         "n",
-        "order",
-        "pos",
         "regions",
         "root_counts",
+        "rows",
+        "stale",
+        "view_of",
     )
     CACHE_KEY: ClassVar[str] = "kcloak.quadtree_counts"
+    PATCH_FRACTION: ClassVar[int] = 8
+    """Above ``n / PATCH_FRACTION`` changed points the columns are sorted from scratch."""
 
-    def __init__(self, view: IndexView) -> None:
-        morton = view.morton
-        order = np.argsort(morton).astype(np.int64)
-        order.setflags(write=False)
-        sorted_codes = morton[order]
-        sorted_codes.setflags(write=False)
+    def __init__(self, view: IndexView, carry: QuadtreeCarry | None = None) -> None:
         self.n = len(view)
-        self.order: I64 = order
-        self.codes_array: U64 = sorted_codes
-        self.codes: list[int] = sorted_codes.tolist()
-        pos = np.empty(self.n, np.int64)
-        pos[order] = np.arange(self.n)
-        self.pos: list[int] = pos.tolist()
-        self.gx: list[int] = view.gx.tolist()
-        self.gy: list[int] = view.gy.tolist()
-        self.lon_strip_array: I64 = np.sort(view.lon_key * _STRIP + (view.lat_key + _STRIP_OFFSET))
-        self.lat_strip_array: I64 = np.sort(view.lat_key * _STRIP + (view.lon_key + _STRIP_OFFSET))
-        self.lon_strip: list[int] = self.lon_strip_array.tolist()
-        self.lat_strip: list[int] = self.lat_strip_array.tolist()
-        self.hint_bits = _hint_bits(self.n)
-        self.lon_hint = _strip_hint(view.lon_key, view.lat_key, self.hint_bits)
-        self.lat_hint = _strip_hint(view.lat_key, view.lon_key, self.hint_bits)
+        self._lon_key = view.lon_key
+        self._lat_key = view.lat_key
+        self._lon_keys = _ints(np.ascontiguousarray(self._lon_key))  # Python ints for single calls
+        self._lat_keys = _ints(np.ascontiguousarray(self._lat_key))
+        link = view.index_rows
+        self.view_of: I64 | None = None if link is None else link[1]
+        self._order: I64 | None = None
         self.root_counts: dict[Root, int] = {WORLD_ROOT: self.n}
         self.regions: defaultdict[str, dict[int, Region]] = defaultdict(dict)
         """Memo of the regions already published, per algorithm, keyed by :func:`group_id` (they
         depend on the view and the rectangle only; the profile is applied by :func:`fit_profile`)."""
+        self.carried = carry is not None and self._patch(view, carry)
+        """Whether the sorted columns were patched from the previous view's."""
+        if not self.carried:
+            self._build(view, None if link is None else link[0])
+
+    def _build(self, view: IndexView, index_rows: I64 | None) -> None:
+        order = np.argsort(view.morton).astype(np.int64)
+        order.setflags(write=False)
+        self._order = order
+        self.rows: I64 = order if index_rows is None else _frozen(index_rows[order])
+        self.codes_array: U64 = _frozen(view.morton[order])
+        self.codes: memoryview = _ints(self.codes_array)
+        lon_key, lat_key = view.lon_key, view.lat_key
+        self.lon_strip_array: I64 = _frozen(np.sort(lon_key * _STRIP + (lat_key + _STRIP_OFFSET)))
+        self.lat_strip_array: I64 = _frozen(np.sort(lat_key * _STRIP + (lon_key + _STRIP_OFFSET)))
+        self.lon_strip: memoryview = _ints(self.lon_strip_array)
+        self.lat_strip: memoryview = _ints(self.lat_strip_array)
+        self._build_hints()
+
+    def _build_hints(self) -> None:
+        self.hint_bits = _hint_bits(self.n)
+        self.lon_hint = _strip_hint(self._lon_key, self._lat_key, self.hint_bits)
+        self.lat_hint = _strip_hint(self._lat_key, self._lon_key, self.hint_bits)
+        self.stale = 0
+        """Points that left since the hints were built (their bytes may be 1 for nobody)."""
+
+    def _patch(self, view: IndexView, carry: QuadtreeCarry) -> bool:
+        """Take the carried columns patched with the delta since the carry's view; False if it cannot."""
+        curve = view.curve
+        view_of = self.view_of
+        if curve is None or view_of is None or carry.index_len > len(view_of):
+            return False
+        prev = carry.counts
+        delta = curve.recent[-1]
+        gone_rows, new_rows = delta.removed_rows, delta.added_rows
+        if (
+            delta.source != carry.source
+            or delta.seq != carry.seq + 1
+            or len(gone_rows) != len(delta.removed_lon_key)
+            or len(new_rows) != len(delta.added_lon_key)
+            or (len(gone_rows) + len(new_rows)) * self.PATCH_FRACTION > self.n
+        ):
+            return False
+        gone = np.zeros(len(view_of), bool)
+        gone[gone_rows] = True
+        drop = np.flatnonzero(gone[prev.rows])
+        new_view_rows = view_of[new_rows]
+        if len(drop) != len(gone_rows) or (new_view_rows < 0).any():
+            return False
+        lon_key, lat_key = self._lon_key[new_view_rows], self._lat_key[new_view_rows]
+        new_codes = _codes(lon_key, lat_key)
+        if not np.array_equal(
+            np.sort(prev.codes_array[drop]), np.sort(_codes(delta.removed_lon_key, delta.removed_lat_key))
+        ):
+            return False
+        by_code = np.argsort(new_codes, kind="stable")
+        new_codes = new_codes[by_code]
+        kept = np.delete(prev.codes_array, drop)
+        at = np.searchsorted(kept, new_codes)
+        lon_strip = _patch_sorted(
+            prev.lon_strip_array,
+            delta.removed_lon_key * _STRIP + (delta.removed_lat_key + _STRIP_OFFSET),
+            lon_key * _STRIP + (lat_key + _STRIP_OFFSET),
+        )
+        lat_strip = _patch_sorted(
+            prev.lat_strip_array,
+            delta.removed_lat_key * _STRIP + (delta.removed_lon_key + _STRIP_OFFSET),
+            lat_key * _STRIP + (lon_key + _STRIP_OFFSET),
+        )
+        if lon_strip is None or lat_strip is None or len(kept) + len(new_codes) != self.n:
+            return False
+        self.codes_array = _frozen(np.insert(kept, at, new_codes))
+        self.codes = _ints(self.codes_array)
+        self.rows = _frozen(np.insert(np.delete(prev.rows, drop), at, new_rows[by_code]))
+        self.lon_strip_array, self.lon_strip = lon_strip, _ints(lon_strip)
+        self.lat_strip_array, self.lat_strip = lat_strip, _ints(lat_strip)
+        stale = prev.stale + len(gone_rows)
+        if _hint_bits(self.n) != prev.hint_bits or stale * self.PATCH_FRACTION > self.n:
+            self._build_hints()
+        else:
+            self.hint_bits = prev.hint_bits
+            self.lon_hint = _strip_hint_add(prev.lon_hint, lon_key, lat_key, prev.hint_bits)
+            self.lat_hint = _strip_hint_add(prev.lat_hint, lat_key, lon_key, prev.hint_bits)
+            self.stale = stale
+        return True
+
+    def carry(self, view: IndexView) -> QuadtreeCarry | None:
+        """What the next view of the same index can start from (None for a view without a curve)."""
+        if view.curve is None or self.view_of is None:
+            return None
+        return QuadtreeCarry(self, view.curve.source, view.curve.seq, len(self.view_of))
 
     @classmethod
     def of(cls, view: IndexView) -> QuadtreeCounts:
@@ -234,6 +343,31 @@ class QuadtreeCounts:
         if qt is None:
             qt = view.cache[cls.CACHE_KEY] = cls(view)
         return qt
+
+    @property
+    def order(self) -> I64:
+        """The view rows in code order (built on first use from the sorted rows)."""
+        if self._order is None:
+            order = self.rows if self.view_of is None else self.view_of[self.rows]
+            order.setflags(write=False)
+            self._order = order
+        return self._order
+
+    def members(self, i: int, j: int) -> I64:
+        """View rows of the users at code positions ``[i, j)``."""
+        if self._order is not None:
+            return self._order[i:j]
+        rows = self.rows[i:j]
+        return rows if self.view_of is None else self.view_of[rows]
+
+    def grid(self, row: int) -> tuple[int, int]:
+        """Level-29 grid coordinates of view row ``row`` (as ``view.gx[row], view.gy[row]``)."""
+        return grid_coord(self._lon_keys[row], "lon"), grid_coord(self._lat_keys[row], "lat")
+
+    def locate(self, gx: int, gy: int) -> tuple[int, int]:
+        """Morton code of a present user's grid position and the first index of it in :attr:`codes`."""
+        code = _interleave(gx, gy)
+        return code, bisect_left(self.codes, code)
 
     def root_count(self, root: Root) -> int:
         """Users in a root cell (memoized; the whole grid holds everyone)."""
@@ -316,22 +450,65 @@ def _hint_bits(n: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def _strip_hint(own_key: I64, other_key: I64, bits: tuple[int, int]) -> bytes:
+def _strip_hint_cells(own_key: I64, other_key: I64, bits: tuple[int, int]) -> I64:
+    col_bits, row_bits = bits
+    odd = (own_key & 1) == 1
+    col = (own_key[odd] >> 1) & ((1 << col_bits) - 1)
+    row = ((other_key[odd] >> 1) >> _HINT_SHIFT) & ((1 << row_bits) - 1)
+    cells: I64 = (col << row_bits) | row
+    return cells
+
+
+def _strip_hint(own_key: I64, other_key: I64, bits: tuple[int, int]) -> Hint:
     """A byte per (micro-degree column of the own axis, 1024-µdeg row of the other), hashed modulo.
 
     1 where some user lies strictly inside that column (odd key): a 0 proves an edge strip empty,
     so the common case (no user between a published edge and the cells' edge) needs no bisect.
     """
-    col_bits, row_bits = bits
-    odd = (own_key & 1) == 1
-    col = (own_key[odd] >> 1) & ((1 << col_bits) - 1)
-    row = ((other_key[odd] >> 1) >> _HINT_SHIFT) & ((1 << row_bits) - 1)
-    hint = np.zeros(1 << (col_bits + row_bits), np.uint8)
-    hint[(col << row_bits) | row] = 1
+    hint = np.zeros(1 << sum(bits), np.uint8)
+    hint[_strip_hint_cells(own_key, other_key, bits)] = 1
     return hint.tobytes()
 
 
-def _maybe(hint: bytes, bits: tuple[int, int], column: int, lo: int, hi: int) -> bool:
+def _strip_hint_add(hint: Hint, own_key: I64, other_key: I64, bits: tuple[int, int]) -> Hint:
+    """A copy of ``hint`` with the bytes of more users set. Bytes of users who left stay 1: a 1 only
+    sends the count to the exact bisect, so the result is the same (the caller rebuilds the hints
+    when too many such bytes may have gathered)."""
+    out = bytearray(hint)
+    np.frombuffer(out, np.uint8)[_strip_hint_cells(own_key, other_key, bits)] = 1
+    return out
+
+
+def _codes(lon_key: I64, lat_key: I64) -> U64:
+    return morton_codes(grid_coords(lon_key, "lon"), grid_coords(lat_key, "lat"))
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.setflags(write=False)
+    return a
+
+
+def _ints(a: npt.NDArray[Any]) -> memoryview:
+    """A read-only int sequence over a sorted column, without copying it: ``bisect`` on it runs in C
+    (faster than on a list of ints, whose objects are scattered in memory)."""
+    return a.data.cast("B").cast("Q" if a.dtype == np.uint64 else "q")
+
+
+def _patch_sorted(array: I64, removed: I64, added: I64) -> I64 | None:
+    """A sorted multiset minus ``removed`` plus ``added``; None when some removed value is not in it
+    (the caller then builds from scratch)."""
+    removed = np.sort(removed)
+    n = len(array)
+    # Equal removed values take consecutive positions of their run: rank within the equal values.
+    drop = np.searchsorted(array, removed) + (np.arange(len(removed)) - np.searchsorted(removed, removed))
+    if len(drop) and (int(drop[-1]) >= n or not np.array_equal(array[drop], removed)):
+        return None
+    kept = np.delete(array, drop)
+    added = np.sort(added)
+    return _frozen(np.insert(kept, np.searchsorted(kept, added), added))
+
+
+def _maybe(hint: Hint, bits: tuple[int, int], column: int, lo: int, hi: int) -> bool:
     """Whether a strip (micro-degree ``column``, other axis floor µdeg in ``[lo, hi]``) may hold a user."""
     r0 = lo >> _HINT_SHIFT
     r1 = hi >> _HINT_SHIFT
@@ -458,7 +635,7 @@ def publish_rects(
 _GALLOP = 64
 
 
-def run_start(codes: list[int], x: int, p: int) -> int:
+def run_start(codes: Sequence[int], x: int, p: int) -> int:
     """First index whose code is ≥ ``x``, given ``codes[p] ≥ x``: a bisect over the 64 codes before
     ``p`` when the run starts there (the usual case: runs hold a few k), else over ``[0, p]``."""
     lo = p - _GALLOP
@@ -467,7 +644,7 @@ def run_start(codes: list[int], x: int, p: int) -> int:
     return bisect_left(codes, x, 0, p + 1)
 
 
-def run_end(codes: list[int], x: int, p: int) -> int:
+def run_end(codes: Sequence[int], x: int, p: int) -> int:
     """First index whose code is ≥ ``x``, given ``codes[p] < x`` (the mirror of :func:`run_start`)."""
     hi = p + _GALLOP
     if hi < len(codes) and codes[hi] >= x:
@@ -594,6 +771,32 @@ def batch_prologue(
 # -- the cloaker -----------------------------------------------------------------------------
 
 
+class QuadtreeCarrier:
+    """The quadtree cloakers' access to a view's :class:`QuadtreeCounts`: built from the counts this
+    cloaker prepared for the previous view of the same index when that view directly precedes it."""
+
+    _carry: QuadtreeCarry | None = None
+
+    def counts(self, view: IndexView) -> QuadtreeCounts:
+        """The view's counts (cached in ``view.cache``, shared by every quadtree cloaker)."""
+        qt: QuadtreeCounts | None = view.cache.get(QuadtreeCounts.CACHE_KEY)
+        if qt is None:
+            qt = view.cache[QuadtreeCounts.CACHE_KEY] = QuadtreeCounts(view, self._carry)
+            self._carry = qt.carry(view)
+        return qt
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle of the cloaker leaves the carried counts behind (they hold memoryviews)."""
+        state = dict(self.__dict__)
+        state.pop("_carry", None)
+        return state
+
+    def carried_over(self, view: IndexView) -> bool:
+        """Whether the view's counts were patched from the previous view's (False before first use)."""
+        qt: QuadtreeCounts | None = view.cache.get(QuadtreeCounts.CACHE_KEY)
+        return qt is not None and qt.carried
+
+
 def reciprocal_partition(view: IndexView, root: Root, deepest: int) -> tuple[I64, npt.NDArray[np.bool_]]:
     """The reciprocal quadtree of §4.2 [design]: each view row's leaf level, and whether its leaf stands alone.
 
@@ -652,7 +855,7 @@ def reciprocal_partition(view: IndexView, root: Root, deepest: int) -> tuple[I64
     return out_leaf, out_stands
 
 
-class IntervalCloak:
+class IntervalCloak(QuadtreeCarrier):
     """Gruteser–Grunwald interval cloaking with the ``A_min`` stop rule (CONCEPTS §4.2).
 
     Not reciprocal (test ``recip_quadtree``). Counts come from the view's sorted Morton codes, so a
@@ -674,6 +877,7 @@ class IntervalCloak:
     supports_l: ClassVar[bool] = False
     cloak_mode: ClassVar[CloakMode] = CloakMode.SNAPSHOT
     vectorized: ClassVar[bool] = True
+    incremental_views: ClassVar[bool] = True
 
     def __init__(
         self, *, root: Root = WORLD_ROOT, depth_max: int | None = None, reciprocal_partition: bool = False
@@ -692,18 +896,16 @@ class IntervalCloak:
         """Cloak the request of view row ``row`` (§4.2 pseudocode, binary search over levels)."""
         if profile.l > 1:
             return UNSUPPORTED_L
-        qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or QuadtreeCounts.of(view)
+        qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or self.counts(view)
         k = profile.k
-        gx = qt.gx[row]
-        gy = qt.gy[row]
+        gx, gy = qt.grid(row)
         root = self.root
         if self._root_level:
             s0 = GRID_BITS - root[0]
             if gx >> s0 != root[1] or gy >> s0 != root[2]:
                 return shortfall(qt.n, k) if qt.n < k else OUTSIDE_ROOT
-        p = qt.pos[row]
+        code, p = qt.locate(gx, gy)
         codes = qt.codes
-        code = codes[p]
         if self.reciprocal_partition:
             leaf, stands = reciprocal_partition(view, root, self._deepest)
             if not stands[row]:
@@ -726,7 +928,7 @@ class IntervalCloak:
             lat0 = ((gy >> s) << s) - GRID_OFFSET
             w = 1 << s
             rect = (lon0, lat0, lon0 + w, lat0 + w)
-            region = memo[key] = rect_region(view, qt, self.name, rect, j - i, qt.order[i:j])
+            region = memo[key] = rect_region(view, qt, self.name, rect, j - i, qt.members(i, j))
         if len(region.anon_set) < k:  # reciprocal variant: the group itself must hold k (§1.5)
             return shortfall(qt.n, k)
         return fit_profile(view, region, profile)
@@ -737,7 +939,7 @@ class IntervalCloak:
         out = BatchResult.empty(self.name, view.epoch, len(rows))
         if len(rows) == 0:
             return out
-        qt = QuadtreeCounts.of(view)
+        qt = self.counts(view)
         live, codes, gx, gy = batch_prologue(
             qt, view, out, rows, profiles, self.root, check_root=not self.reciprocal_partition
         )
@@ -779,6 +981,7 @@ __all__ = [
     "KIND_VPAIR",
     "WORLD_ROOT",
     "IntervalCloak",
+    "QuadtreeCarrier",
     "QuadtreeCounts",
     "Root",
     "cell_area_m2",

@@ -412,16 +412,20 @@ def test_views_section_compares_incremental_and_fresh_views(capsys: pytest.Captu
     """After each batch of moves, the incremental view and the one built from scratch answer the
     same (mismatches 0), both are timed, and single calls and memory are reported."""
     argv = ["bench", "cloak", "--users", "3000", "--requests", "200", "--seed", "5", "--no-progress"]
-    argv += ["--algorithms", "hilbert,interval", "--view-batches", "50,600", "--view-rounds", "2", "--json"]
+    argv += ["--algorithms", "hilbert,interval,casper", "--view-batches", "50,600", "--view-rounds", "2", "--json"]
     code = run(argv)
     assert code == 0
     views = json.loads(capsys.readouterr().out)["views"]
     assert views["users"] == 3000
     assert views["batches"] == [50, 600]
     rows = {r["algorithm"]: r for r in views["results"]}
-    assert list(rows) == ["hilbert", "interval"]
-    assert rows["hilbert"]["incremental_state"] is True
-    assert rows["interval"]["incremental_state"] is False
+    assert list(rows) == ["hilbert", "interval", "casper"]
+    assert all(r["incremental_state"] is True for r in rows.values())
+    # The quadtree counts are patched after 50 moves (100 changed points of 3,000) and sorted
+    # from scratch after 600 (above an eighth of the users).
+    for name in ("interval", "casper"):
+        assert [b["carried_views"] for b in rows[name]["batches"]] == [2, 0]
+    assert [b["carried_views"] for b in rows["hilbert"]["batches"]] == [None, None]
     for r in rows.values():
         assert r["mismatches"] == 0
         assert [b["moved"] for b in r["batches"]] == [50, 600]

@@ -9,7 +9,9 @@ curve, no carried state, a fresh cloaker) and compares what each user gets, as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kcloak.cloaking.cloakers import hilbert
+from kcloak.cloaking.cloakers import Cloaker, hilbert
 from kcloak.cloaking.cloakers.base import Refusal, Region
 from kcloak.cloaking.cloakers.hilbert import HilbertCloak, _bucket_ends
 from kcloak.cloaking.curve import ViewDelta
@@ -154,14 +156,30 @@ def check_against_views_from_nothing(scenario: Scenario, factor: int = 8, reseed
     limit = hilbert.SMALL_CHANGE_LIMIT
     hilbert.SMALL_CHANGE_LIMIT = limit if decimals > 0 else -1  # both ways of counting a change
     try:
-        run_steps(first, steps, factor, reseed)
+        CARRIED[0] += run_steps(first, steps, partial(HilbertCloak, segment_factor=factor), reseed=reseed)
     finally:
         hilbert.SMALL_CHANGE_LIMIT = limit
 
 
+def hilbert_carried(cloaker: Any, view: IndexView) -> int:
+    """Buckets a :class:`HilbertCloak` carried over to ``view`` (and, beside, the buckets of unchanged
+    segments it took over when the view has several segments)."""
+    state = cloaker.state(view)
+    segments = state.buckets
+    SEGMENTS_KEPT[0] += len(segments.kept_new) if len(segments.seg_lo) > 1 else 0
+    carried: int = state.carried
+    return carried
+
+
 def run_steps(
-    first: list[tuple[Any, ...]], steps: list[list[tuple[Any, ...]]], factor: int = 8, reseed: bool = True
-) -> None:
+    first: list[tuple[Any, ...]],
+    steps: list[list[tuple[Any, ...]]],
+    make: Callable[[], Cloaker] = HilbertCloak,
+    carried_of: Callable[[Any, IndexView], int] = hilbert_carried,
+    reseed: bool = True,
+) -> int:
+    """Returns how much state the cloaker made by ``make`` carried over (``carried_of`` each view).
+    ``reseed``: every view has a new tie seed (otherwise one seed for all)."""
     index = PositionIndex(stale_after_s=STALE_S)
     truth = Truth()
     now = T0
@@ -170,7 +188,7 @@ def run_steps(
         index.set_profile(u, PROFILES[p])
         truth.fixes[u] = (lat, lon, now)
         truth.profiles[u] = PROFILES[p]
-    live = HilbertCloak(segment_factor=factor)  # one cloaker over every view: it carries state over
+    live = make()  # one cloaker over every view: it carries state from one to the next
     carried = 0
     previous: tuple[IndexView, dict[str, int | None]] | None = None
     for epoch, ops in enumerate([[], *steps], start=1):
@@ -209,17 +227,15 @@ def run_steps(
             assert (r is not None and ids[r] == u) if u in ids else r is None
         salts = dict(zip(ids, view.salt.tolist(), strict=True))
         ref = reference_view(truth, now, salts, epoch, seed)
-        scratch = HilbertCloak(segment_factor=factor)
+        scratch = make()
         for u in ref.user_ids:
             for req in requests_of(truth.profiles.get(u, PrivacyProfile())):
                 got = outcome(live.cloak(view, view.row(u), req), ids)  # type: ignore[arg-type]
                 want = outcome(scratch.cloak(ref, ref.row_of[u], req), ref.user_ids)
                 assert got == want
-        carried += live.state(view).carried
-        segments = live.state(view).buckets
-        SEGMENTS_KEPT[0] += len(segments.kept_new) if len(segments.seg_lo) > 1 else 0
+        carried += carried_of(live, view)
         previous = view, {u: view.row(u) for u in [*truth.fixes, "nobody"]}
-    CARRIED[0] += carried
+    return carried
 
 
 def test_some_state_was_carried_over() -> None:

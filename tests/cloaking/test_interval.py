@@ -281,9 +281,9 @@ def test_fast_level_search_equals_literal_descent(view: IndexView, profile: Priv
             assert isinstance(result, Refusal)
             assert result.reason == ReasonCode.K_UNREACHABLE
             continue
-        fast = deepest_level(
-            qt, qt.pos[row], qt.codes[qt.pos[row]], qt.gx[row], qt.gy[row], profile.k, profile.min_area_m2, 0, depth_max
-        )
+        gx, gy = qt.grid(row)
+        code, p = qt.locate(gx, gy)
+        fast = deepest_level(qt, p, code, gx, gy, profile.k, profile.min_area_m2, 0, depth_max)
         assert fast == level
         s = GRID_BITS - level
         gx, gy = int(view.gx[row]), int(view.gy[row])
