@@ -44,6 +44,19 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
         assert row[key] > 0, key
         busy = row[key.replace("_cpu_", "_busy_cpu_")]  # net of idle CPU: never more than the whole
         assert busy is not None and 0 <= busy <= row[key], key
+    # NATS's own cost, measured in the same run: every payload sent was stored once in each raw stream
+    yard = row["nats_yardstick"]
+    assert yard["messages"] == fixes and yard["r1_stored"] == fixes and yard["r3_stored"] == fixes
+    for r in ("r1", "r3"):
+        assert yard[f"{r}_nats_cpu_us_per_fix"] > 0
+        assert 0 <= yard[f"{r}_nats_busy_cpu_us_per_fix"] <= yard[f"{r}_nats_cpu_us_per_fix"]
+    # message counts from the streams' own sequences: each accepted fix went through the intake stream (batched,
+    # so at most one intake message per fix) and one cell event per fix at least
+    counts = row["nats_messages_per_fix"]
+    assert 0 < counts["stored:KCLOAK_IN"] <= 1.0
+    assert counts["stored:KCLOAK_CELLS"] >= 1.0
+    assert counts["server_in_msgs"] > counts["stored:KCLOAK_CELLS"]
+    assert 0 <= row["fixes_entering_another_cell"] <= 1
     assert report["overhead"]["verdict"].startswith("not measured")
     skew = report["skew"]
     populations = skew["cell_populations"]
