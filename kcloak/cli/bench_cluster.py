@@ -44,6 +44,7 @@ from kcloak.cli.main import SubParsers, UsageError
 NATS_NODES = 3
 READY_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 300.0
+YARDSTICK_MIN_MESSAGES = 5_000
 SCALING_WARNING = (
     "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
     "meaningful at any W; the fixes/s and queries/s columns are this host's throughput, NOT a scaling "
@@ -296,13 +297,18 @@ class Deployment:
         return out
 
     async def yardstick(self, payloads: list[bytes], nats_pids: list[int]) -> dict[str, Any]:
-        """NATS's own CPU per fix on this same cluster: the load's fix payloads published raw (nats-py JetStream
-        publish, 500 in flight, each awaited for its PubAck) into a fresh R1 then R3 stream of their own, server
-        CPU (3 nodes summed) per message, and the same net of the cluster's idle rate measured just before."""
+        """NATS's own CPU per fix on this same cluster: the load's fix payloads (repeated up to
+        ``YARDSTICK_MIN_MESSAGES``) published raw (nats-py JetStream publish, 500 in flight, each awaited for its
+        PubAck) into a fresh R1 then R3 stream of their own, server CPU (3 nodes summed) per message, and the
+        same net of the cluster's idle rate measured just before."""
         import asyncio  # here, not at the top: kcloak --help must not import it
 
         from kcloak.broker.cluster.topology import connect_nats
 
+        if payloads:  # at least YARDSTICK_MIN_MESSAGES (the load's payloads again): CPU is counted in clock ticks
+            payloads = (payloads * -(-YARDSTICK_MIN_MESSAGES // len(payloads)))[
+                : max(len(payloads), YARDSTICK_MIN_MESSAGES)
+            ]
         out: dict[str, Any] = {"messages": len(payloads), "publisher": "nats-py js.publish, 500 in flight"}
         nc = await connect_nats(self.urls)
         try:

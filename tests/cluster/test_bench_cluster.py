@@ -46,7 +46,8 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
         assert busy is not None and 0 <= busy <= row[key], key
     # NATS's own cost, measured in the same run: every payload sent was stored once in each raw stream
     yard = row["nats_yardstick"]
-    assert yard["messages"] == fixes and yard["r1_stored"] == fixes and yard["r3_stored"] == fixes
+    assert yard["messages"] == max(fixes, 5000)  # the load's payloads, repeated up to 5,000 for clock-tick resolution
+    assert yard["r1_stored"] == yard["messages"] and yard["r3_stored"] == yard["messages"]
     for r in ("r1", "r3"):
         assert yard[f"{r}_nats_cpu_us_per_fix"] > 0
         assert 0 <= yard[f"{r}_nats_busy_cpu_us_per_fix"] <= yard[f"{r}_nats_cpu_us_per_fix"]
