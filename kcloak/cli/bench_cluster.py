@@ -12,6 +12,10 @@ counted as kcloak's. The coordination overhead is the growth of kcloak's CPU per
 smallest to the largest W. The extrapolation multiplies rates by CPU per message, by the skew of the
 busiest cell (measured on another street-simulator sample, later in its day, than the one the cells
 were cut from) and divides by the target utilisation.
+
+Beside kcloak's figures, in the same run and on the same NATS cluster: NATS's own cost per fix (the same fix
+payloads published raw into a fresh R1 and R3 stream, server CPU per message) and the NATS messages each fix
+cost on kcloak's path (streams' sequences, consumers' deliveries, the servers' ``in_msgs``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kcloak.cli.main import SubParsers, UsageError
 NATS_NODES = 3
 READY_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 300.0
+YARDSTICK_MIN_MESSAGES = 5_000
 SCALING_WARNING = (
     "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
     "meaningful at any W; the fixes/s and queries/s columns are this host's throughput, NOT a scaling "
@@ -64,14 +69,23 @@ def add_parser(bench: SubParsers) -> None:
             "(gateway+worker, NATS) of rate x CPU per message x skew / --utilisation, skew = busiest cell / "
             "mean cell of a Beijing street-simulator population measured on a different sample and time "
             "than the one the cells were cut from. Oversubscribing the host (W above its cores) is fine for "
-            "CPU per message; throughput on a small host is never a scaling result. Progress on stderr; "
+            "CPU per message; throughput on a small host is never a scaling result. Each W also prints NATS's own "
+            "CPU per fix measured in the same run (the same payloads published raw into an R1 and an R3 stream) "
+            "and the NATS messages per fix (stored per stream, delivered, the servers' in_msgs). Progress on stderr; "
             "--json prints one JSON object on stdout."
         ),
     )
     p.add_argument("--workers", default="1,2,4,8", metavar="LIST", help="worker counts, comma-separated (1,2,4,8)")
     p.add_argument("--fixes", type=int, default=10_000, metavar="N", help="fixes sent per worker count (10000)")
     p.add_argument("--queries", type=int, default=1_000, metavar="N", help="queries sent per worker count (1000)")
-    p.add_argument("--users", type=int, default=5_000, metavar="N", help="simulated users sending fixes (5000)")
+    p.add_argument(
+        "--users",
+        type=int,
+        default=1_000,
+        metavar="N",
+        help="simulated users sending fixes, one per user per round of 5 simulated s (1000: with 10000 fixes, "
+        "nine in ten are a moving user's next fix, not a first one)",
+    )
     p.add_argument("--cells", type=int, default=8, metavar="C", help="cells (8)")
     p.add_argument("--partitions", type=int, default=8, metavar="P", help="intake partitions (8)")
     p.add_argument(
@@ -260,7 +274,7 @@ class Deployment:
         finally:
             await nc.close()
 
-    def nats_counts(self) -> tuple[int, int]:
+    def nats_client_route_counts(self) -> tuple[int, int]:
         """Messages the NATS nodes received, summed over the nodes: from clients (``/varz`` ``in_msgs`` less the
         routes') and from the other nodes (``/routez``: replication, forwarded messages and interest)."""
         client = route = 0
@@ -269,6 +283,67 @@ class Deployment:
             client += int(json.loads(_get(f"{url}/varz"))["in_msgs"]) - from_routes
             route += from_routes
         return client, route
+
+    async def nats_counts(self) -> dict[str, float]:
+        """Messages NATS handled so far: each stream's last sequence (stored), each stream's consumers'
+        deliveries summed, and the servers' ``in_msgs`` (every message a node received: publishes, acks,
+        pulls, API requests, route traffic) summed over the nodes from ``/varz``."""
+        from kcloak.broker.cluster.topology import connect_nats
+
+        out: dict[str, float] = {}
+        nc = await connect_nats(self.urls)
+        try:
+            js = nc.jetstream(timeout=5.0)
+            for info in await js.streams_info():
+                name = info.config.name
+                out[f"stored:{name}"] = float(info.state.last_seq)
+                delivered = 0
+                for consumer in await js.consumers_info(name):
+                    delivered += consumer.delivered.consumer_seq or 0
+                out[f"delivered:{name}"] = float(delivered)
+        finally:
+            await nc.close()
+        out["server_in_msgs"] = float(sum(json.loads(_get(f"{m}/varz"))["in_msgs"] for m in self.monitors))
+        return out
+
+    async def yardstick(self, payloads: list[bytes], nats_pids: list[int]) -> dict[str, Any]:
+        """NATS's own CPU per fix on this same cluster: the load's fix payloads (repeated up to
+        ``YARDSTICK_MIN_MESSAGES``) published raw (nats-py JetStream publish, 500 in flight, each awaited for its
+        PubAck) into a fresh R1 then R3 stream of their own, server CPU (3 nodes summed) per message, and the
+        same net of the cluster's idle rate measured just before."""
+        import asyncio  # here, not at the top: kcloak --help must not import it
+
+        from kcloak.broker.cluster.topology import connect_nats
+
+        if payloads:  # at least YARDSTICK_MIN_MESSAGES (the load's payloads again): CPU is counted in clock ticks
+            payloads = (payloads * -(-YARDSTICK_MIN_MESSAGES // len(payloads)))[
+                : max(len(payloads), YARDSTICK_MIN_MESSAGES)
+            ]
+        out: dict[str, Any] = {"messages": len(payloads), "publisher": "nats-py js.publish, 500 in flight"}
+        nc = await connect_nats(self.urls)
+        try:
+            js = nc.jetstream(timeout=10.0)
+            for replicas in (1, 3):
+                name, subject = f"BENCH_YARDSTICK_R{replicas}", f"kcloak.bench.yardstick.r{replicas}"
+                await js.add_stream(name=name, subjects=[subject], num_replicas=replicas)
+                await js.publish(subject, b"{}", stream=name)  # placement settled before the clock starts
+                i0, t0 = _cpu(nats_pids), time.monotonic()
+                await asyncio.sleep(2.0)
+                idle = (_cpu(nats_pids) - i0) / (time.monotonic() - t0)
+                c0, t0 = _cpu(nats_pids), time.monotonic()
+                for start in range(0, len(payloads), 500):
+                    chunk = payloads[start : start + 500]
+                    await asyncio.gather(*(js.publish(subject, p, stream=name) for p in chunk))
+                cpu, took = _cpu(nats_pids) - c0, time.monotonic() - t0
+                stored = (await js.stream_info(name)).state.messages - 1
+                await js.delete_stream(name)
+                n = max(1, stored)
+                out[f"r{replicas}_nats_cpu_us_per_fix"] = round(cpu / n * 1e6, 1)
+                out[f"r{replicas}_nats_busy_cpu_us_per_fix"] = round(max(0.0, cpu - idle * took) / n * 1e6, 1)
+                out[f"r{replicas}_stored"] = stored
+        finally:
+            await nc.close()
+        return out
 
     def metrics(self) -> list[str]:
         return [_get(f"http://127.0.0.1:{h}/metrics") for h, _ in self.gateways]
@@ -351,10 +426,17 @@ class Population:
 
     model: Any
     last_t: list[float]
+    cell_map: Any = None
+    last_cell: Any = None
+    changed: Any = None  # per user: did the last step move them into another cell (None before a first step)
 
     def fixes(self, dt_s: float) -> list[bytes]:
         self.model.step(dt_s)
         lat, lon = self.model.positions()
+        if self.cell_map is not None:
+            cells = self.cell_map.cell_of(lat, lon)
+            self.changed = None if self.last_cell is None else cells != self.last_cell
+            self.last_cell = cells
         out = []
         for i in range(len(lat)):
             t = max(time.time(), self.last_t[i] + 0.001)
@@ -401,7 +483,9 @@ def _drive(
     # fixes: rounds of one fix per user (the last round's users first), PUBACKs, then the routers' verdicts
     users = len(population.last_t)
     sender = FixSender(dep.gateways, f"w{w}")
-    sent = pubacked = 0
+    sent = pubacked = crossed = followed = 0
+    payloads_sent: list[bytes] = []
+    counts0 = asyncio.run(dep.nats_counts())
     k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     try:
         rnd = 0
@@ -410,6 +494,10 @@ def _drive(
             count = min(users, args.fixes - sent)
             for i in range(count):
                 sender.send(i, payloads[i])
+            payloads_sent += payloads[:count]
+            if population.changed is not None:  # a user's fix after an earlier one: did it enter another cell?
+                crossed += int(population.changed[:count].sum())
+                followed += count
             sent += count
             pubacked += sender.wait_pubacks()
             rnd += 1
@@ -428,6 +516,7 @@ def _drive(
         time.sleep(0.5)  # the owners apply the routers' cell events: part of a fix's cost, not a query's
     k2, n2, t2 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     fix_s = t2 - t1
+    counts1 = asyncio.run(dep.nats_counts())
     rejected_by: Counter[str] = Counter()
     for t in texts:
         rejected_by.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
@@ -440,20 +529,30 @@ def _drive(
         body = {"query_id": f"bench-w{w}-{i}", "kind": "knn", "n": 3}
         return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
 
-    client3, route3 = dep.nats_counts()
+    client3, route3 = dep.nats_client_route_counts()
     l3 = _cpu(lbs)
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     with ThreadPoolExecutor(max_workers=args.query_threads) as pool:
         results = list(pool.map(one, range(args.queries)))
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     l4 = _cpu(lbs)
-    client4, route4 = dep.nats_counts()
+    client4, route4 = dep.nats_client_route_counts()
     query_s = t4 - t3
     answered = [body for status, body in results if status == 200 and "status" in body]
     ok = sum(1 for body in answered if body["status"] == "ok")
     refused = Counter(str(body.get("reason")) for body in answered if body["status"] != "ok")
     errors = Counter(str(status) for status, body in results if not (status == 200 and "status" in body))
     log(f"W={w}: {len(answered)}/{args.queries} queries answered ({ok} ok) in {query_s:.1f} s")
+    yardstick = asyncio.run(dep.yardstick(payloads_sent, nats_pids))
+    log(
+        f"W={w}: yardstick, the same {len(payloads_sent)} payloads published raw: NATS "
+        f"{yardstick['r1_nats_cpu_us_per_fix']} CPU-µs per fix at R1, {yardstick['r3_nats_cpu_us_per_fix']} at R3"
+    )
+    per_fix_counts = {
+        key: round((counts1.get(key, 0.0) - counts0.get(key, 0.0)) / accepted, 3) if accepted else None
+        for key in sorted(counts1)
+        if counts1.get(key, 0.0) != counts0.get(key, 0.0)
+    }
 
     def per(cpu: float, n: float) -> float | None:
         return round(cpu / n * 1e6, 1) if n else None
@@ -486,6 +585,9 @@ def _drive(
         "nats_busy_cpu_us_per_query": per(max(0.0, n4 - n3 - idle_nats * query_s), len(answered)),
         "idle_kcloak_cpu_s_per_s": round(idle_kc, 4),
         "idle_nats_cpu_s_per_s": round(idle_nats, 4),
+        "nats_messages_per_fix": per_fix_counts,
+        "fixes_entering_another_cell": round(crossed / followed, 4) if followed else None,
+        "nats_yardstick": yardstick,
         "fix_phase_s": round(fix_s, 2),
         "query_phase_s": round(query_s, 2),
         "host_fixes_per_s": round(accepted / fix_s, 1) if fix_s else None,
@@ -611,9 +713,11 @@ def run(args: argparse.Namespace) -> int:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         skew = measure_skew(cells_path, args.skew_users, args.skew_after_s, log)
 
+        from kcloak.cloaking.cells import CellMap
         from kcloak.simulators.bench import build_model
 
-        population = Population(build_model("street", args.users, seed=2), [0.0] * args.users)
+        cell_map = CellMap.from_json(cells_path.read_text(encoding="utf-8"))
+        population = Population(build_model("street", args.users, seed=2), [0.0] * args.users, cell_map)
         rows = []
         for w in workers:
             rows.append(measure_one(args, w, cells_path, args.cells, population, log))
@@ -669,6 +773,17 @@ def print_table(report: dict[str, Any]) -> None:
             str(r["host_queries_per_s"]),
         )
     out.print(table)
+    for r in report["results"]:
+        y = r["nats_yardstick"]
+        out.print(
+            f"W={r['workers']}: NATS CPU-µs per fix, kcloak's path {r['nats_cpu_us_per_fix']} against the same "
+            f"payloads "
+            f"published raw in the same run: R1 {y['r1_nats_cpu_us_per_fix']}, R3 {y['r3_nats_cpu_us_per_fix']} "
+            f"(net of idle {y['r1_nats_busy_cpu_us_per_fix']} / {y['r3_nats_busy_cpu_us_per_fix']}); "
+            f"fixes entering another cell {r['fixes_entering_another_cell']}"
+        )
+        counts = ", ".join(f"{k} {v}" for k, v in r["nats_messages_per_fix"].items())
+        out.print(f"  NATS messages per fix: {counts}")
     ov = report["overhead"]
     out.print(
         f"coordination overhead W={ov['from_workers']}→{ov['to_workers']}: "

@@ -47,6 +47,20 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     # every answered query crossed NATS at least as its intake message, its routed copy and its stored answer,
     # each published by a client; the 3 R3 nodes replicate them to each other
     assert row["nats_client_msgs_per_query"] >= 3 and row["nats_route_msgs_per_query"] > 0
+    # NATS's own cost, measured in the same run: every payload sent was stored once in each raw stream
+    yard = row["nats_yardstick"]
+    assert yard["messages"] == max(fixes, 5000)  # the load's payloads, repeated up to 5,000 for clock-tick resolution
+    assert yard["r1_stored"] == yard["messages"] and yard["r3_stored"] == yard["messages"]
+    for r in ("r1", "r3"):
+        assert yard[f"{r}_nats_cpu_us_per_fix"] > 0
+        assert 0 <= yard[f"{r}_nats_busy_cpu_us_per_fix"] <= yard[f"{r}_nats_cpu_us_per_fix"]
+    # message counts from the streams' own sequences: each accepted fix went through the intake stream (batched,
+    # so at most one intake message per fix) and one cell event per fix at least
+    counts = row["nats_messages_per_fix"]
+    assert 0 < counts["stored:KCLOAK_IN"] <= 1.0
+    assert counts["stored:KCLOAK_CELLS"] >= 1.0
+    assert counts["server_in_msgs"] > counts["stored:KCLOAK_CELLS"]
+    assert 0 <= row["fixes_entering_another_cell"] <= 1
     assert report["overhead"]["verdict"].startswith("not measured")
     skew = report["skew"]
     populations = skew["cell_populations"]
