@@ -169,8 +169,6 @@ class CurveOrder:
         """Identifies this order: deltas of different indexes never chain."""
         self.seq = 0
         self._n = 0
-        self._lat: F64 = np.zeros(0)
-        self._lon: F64 = np.zeros(0)
         self._present: BoolArray = np.zeros(0, bool)
         self.lon_key: I64 = np.zeros(0, np.int64)
         self.lat_key: I64 = np.zeros(0, np.int64)
@@ -185,8 +183,6 @@ class CurveOrder:
     def nbytes(self) -> int:
         """Bytes held by the order's arrays."""
         arrays = (
-            self._lat,
-            self._lon,
             self._present,
             self.lon_key,
             self.lat_key,
@@ -197,29 +193,37 @@ class CurveOrder:
         return int(sum(a.nbytes for a in arrays))
 
     def _grow(self, n: int) -> None:
-        if n <= len(self._lat):
+        if n <= len(self._present):
             return
-        cap = max(n, 2 * len(self._lat), 16)
+        cap = max(n, 2 * len(self._present), 16)
 
         def grown(a: npt.NDArray[np.generic], fill: object) -> npt.NDArray[np.generic]:
             out = np.full(cap, fill, dtype=a.dtype)
             out[: len(a)] = a
             return out
 
-        self._lat = grown(self._lat, np.nan)  # type: ignore[assignment]
-        self._lon = grown(self._lon, np.nan)  # type: ignore[assignment]
         self._present = grown(self._present, False)  # type: ignore[assignment]
         self.lon_key = grown(self.lon_key, 0)  # type: ignore[assignment]
         self.lat_key = grown(self.lat_key, 0)  # type: ignore[assignment]
         self._hv = grown(self._hv, 0)  # type: ignore[assignment]
 
-    def advance(self, lat: F64, lon: F64, present: BoolArray) -> CurveStep:
-        """Bring the order up to the index's columns (rows ``0 … n−1``) and take one snapshot's step."""
+    def advance(self, lat: F64, lon: F64, present: BoolArray, touched: I64) -> CurveStep:
+        """Bring the order up to the index's columns (rows ``0 … n−1``) and take one snapshot's step.
+
+        ``touched``: the rows (ascending) whose fix may have changed since the previous step; rows
+        from the previous step's ``n`` on are new and taken whatever it says. A touched row moved
+        if its exact coordinate keys changed (a move within one micro-degree changes no key, no
+        Hilbert value and no delta). The order keeps no copy of the coordinates.
+        """
         n = len(lat)
         m = self._n
-        moved = np.flatnonzero((lat[:m] != self._lat[:m]) | (lon[:m] != self._lon[:m]))
-        changed = np.concatenate([moved, np.arange(m, n, dtype=np.int64)]) if n > m else moved
+        if n > m:
+            touched = np.union1d(touched, np.arange(m, n, dtype=np.int64))
         self._grow(n)
+        lk_t = coordinate_keys(lon[touched])
+        tk_t = coordinate_keys(lat[touched])
+        differ = (touched >= m) | (lk_t != self.lon_key[touched]) | (tk_t != self.lat_key[touched])
+        changed = touched[differ]
         was = self._present[:n]
         is_moved = np.zeros(n, bool)
         is_moved[changed] = True
@@ -228,14 +232,11 @@ class CurveOrder:
         removed_lon, removed_lat = self.lon_key[left], self.lat_key[left]  # the old keys
 
         if len(changed):
-            lk = coordinate_keys(lon[changed])
-            tk = coordinate_keys(lat[changed])
+            lk, tk = lk_t[differ], tk_t[differ]
             hv = hilbert_indices(grid_coords(lk, "lon"), grid_coords(tk, "lat"))
             self.lon_key[changed] = lk
             self.lat_key[changed] = tk
             self._hv[changed] = hv
-            self._lat[changed] = lat[changed]
-            self._lon[changed] = lon[changed]
             if m == 0 or len(changed) * self.REBUILD_FRACTION > n:
                 rows = np.argsort(self._hv[:n], kind="stable").astype(np.int64)
                 self._rows, self._hv_sorted = rows, self._hv[rows]
