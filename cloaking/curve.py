@@ -24,6 +24,7 @@ from kcloak.cloaking.grid import GRID_BITS, grid_coords
 from kcloak.core.geometry import coordinate_keys
 
 I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
 F64 = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
@@ -110,10 +111,11 @@ class CurveStep:
     """One snapshot's share of the curve, in index rows.
 
     ``rows`` are the present index rows ordered by their level-29 Hilbert value ``hv`` (ascending;
-    equal values in no particular order); ``lon_key``/``lat_key`` the exact keys of every index row.
+    equal values in no particular order; int32); ``lon_key``/``lat_key`` the exact keys of every
+    index row.
     """
 
-    rows: I64
+    rows: I32
     hv: I64
     lon_key: I64
     lat_key: I64
@@ -173,7 +175,7 @@ class CurveOrder:
         self.lon_key: I64 = np.zeros(0, np.int64)
         self.lat_key: I64 = np.zeros(0, np.int64)
         self._hv: I64 = np.zeros(0, np.int64)
-        self._rows: I64 = np.zeros(0, np.int64)
+        self._rows: I32 = np.zeros(0, np.int32)  # index rows in Hilbert order (int32: 4 B/user)
         self._hv_sorted: I64 = np.zeros(0, np.int64)
         self._lk_sorted: I64 = np.zeros(0, np.int64)
         self._tk_sorted: I64 = np.zeros(0, np.int64)
@@ -238,7 +240,7 @@ class CurveOrder:
             self.lat_key[changed] = tk
             self._hv[changed] = hv
             if m == 0 or len(changed) * self.REBUILD_FRACTION > n:
-                rows = np.argsort(self._hv[:n], kind="stable").astype(np.int64)
+                rows = np.argsort(self._hv[:n], kind="stable").astype(np.int32)
                 self._rows, self._hv_sorted = rows, self._hv[rows]
                 self._lk_sorted, self._tk_sorted = self.lon_key[rows], self.lat_key[rows]
             else:

@@ -229,8 +229,8 @@ class PositionIndex:
         self._touched[touched] = False
         step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched)
         self._ids_shared = True
-        view_of = np.full(n, -1, np.int64)
-        view_of[rows] = np.arange(len(rows), dtype=np.int64)
+        view_of = np.full(n, -1, np.int32)  # index row → view row (int32: 4 B/user)
+        view_of[rows] = np.arange(len(rows), dtype=np.int32)
         view = IndexView(
             user_ids=None,
             lat=self._lat[rows],
@@ -250,7 +250,7 @@ class PositionIndex:
         lat_key.setflags(write=False)
         view.__dict__["lon_key"] = lon_key
         view.__dict__["lat_key"] = lat_key
-        curve_rows = view_of[step.rows]
+        curve_rows = view_of[step.rows].astype(np.int64)
         for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
             a.setflags(write=False)
         view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
@@ -294,7 +294,7 @@ class _IndexLookup:
 
     __slots__ = ("ids", "index", "removals", "rows", "view_of")
 
-    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: I64) -> None:
+    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: npt.NDArray[np.int32]) -> None:
         self.index = index
         self.ids = ids
         self.rows = rows
