@@ -24,6 +24,7 @@ from kcloak.cloaking.grid import GRID_BITS, grid_coords
 from kcloak.core.geometry import coordinate_keys
 
 I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
 F64 = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
@@ -120,10 +121,11 @@ class CurveStep:
     """One snapshot's share of the curve, in index rows.
 
     ``rows`` are the present index rows ordered by their level-29 Hilbert value ``hv`` (ascending;
-    equal values in no particular order); ``lon_key``/``lat_key`` the exact keys of every index row.
+    equal values in no particular order; int32); ``lon_key``/``lat_key`` the exact keys of every
+    index row.
     """
 
-    rows: I64
+    rows: I32
     hv: I64
     lon_key: I64
     lat_key: I64
@@ -179,13 +181,11 @@ class CurveOrder:
         """Identifies this order: deltas of different indexes never chain."""
         self.seq = 0
         self._n = 0
-        self._lat: F64 = np.zeros(0)
-        self._lon: F64 = np.zeros(0)
         self._present: BoolArray = np.zeros(0, bool)
         self.lon_key: I64 = np.zeros(0, np.int64)
         self.lat_key: I64 = np.zeros(0, np.int64)
         self._hv: I64 = np.zeros(0, np.int64)
-        self._rows: I64 = np.zeros(0, np.int64)
+        self._rows: I32 = np.zeros(0, np.int32)  # index rows in Hilbert order (int32: 4 B/user)
         self._hv_sorted: I64 = np.zeros(0, np.int64)
         self._lk_sorted: I64 = np.zeros(0, np.int64)
         self._tk_sorted: I64 = np.zeros(0, np.int64)
@@ -195,8 +195,6 @@ class CurveOrder:
     def nbytes(self) -> int:
         """Bytes held by the order's arrays."""
         arrays = (
-            self._lat,
-            self._lon,
             self._present,
             self.lon_key,
             self.lat_key,
@@ -207,29 +205,37 @@ class CurveOrder:
         return int(sum(a.nbytes for a in arrays))
 
     def _grow(self, n: int) -> None:
-        if n <= len(self._lat):
+        if n <= len(self._present):
             return
-        cap = max(n, 2 * len(self._lat), 16)
+        cap = max(n, 2 * len(self._present), 16)
 
         def grown(a: npt.NDArray[np.generic], fill: object) -> npt.NDArray[np.generic]:
             out = np.full(cap, fill, dtype=a.dtype)
             out[: len(a)] = a
             return out
 
-        self._lat = grown(self._lat, np.nan)  # type: ignore[assignment]
-        self._lon = grown(self._lon, np.nan)  # type: ignore[assignment]
         self._present = grown(self._present, False)  # type: ignore[assignment]
         self.lon_key = grown(self.lon_key, 0)  # type: ignore[assignment]
         self.lat_key = grown(self.lat_key, 0)  # type: ignore[assignment]
         self._hv = grown(self._hv, 0)  # type: ignore[assignment]
 
-    def advance(self, lat: F64, lon: F64, present: BoolArray) -> CurveStep:
-        """Bring the order up to the index's columns (rows ``0 … n−1``) and take one snapshot's step."""
+    def advance(self, lat: F64, lon: F64, present: BoolArray, touched: I64) -> CurveStep:
+        """Bring the order up to the index's columns (rows ``0 … n−1``) and take one snapshot's step.
+
+        ``touched``: the rows (ascending) whose fix may have changed since the previous step; rows
+        from the previous step's ``n`` on are new and taken whatever it says. A touched row moved
+        if its exact coordinate keys changed (a move within one micro-degree changes no key, no
+        Hilbert value and no delta). The order keeps no copy of the coordinates.
+        """
         n = len(lat)
         m = self._n
-        moved = np.flatnonzero((lat[:m] != self._lat[:m]) | (lon[:m] != self._lon[:m]))
-        changed = np.concatenate([moved, np.arange(m, n, dtype=np.int64)]) if n > m else moved
+        if n > m:
+            touched = np.union1d(touched, np.arange(m, n, dtype=np.int64))
         self._grow(n)
+        lk_t = coordinate_keys(lon[touched])
+        tk_t = coordinate_keys(lat[touched])
+        differ = (touched >= m) | (lk_t != self.lon_key[touched]) | (tk_t != self.lat_key[touched])
+        changed = touched[differ]
         was = self._present[:n]
         is_moved = np.zeros(n, bool)
         is_moved[changed] = True
@@ -238,16 +244,13 @@ class CurveOrder:
         removed_lon, removed_lat = self.lon_key[left], self.lat_key[left]  # the old keys
 
         if len(changed):
-            lk = coordinate_keys(lon[changed])
-            tk = coordinate_keys(lat[changed])
+            lk, tk = lk_t[differ], tk_t[differ]
             hv = hilbert_indices(grid_coords(lk, "lon"), grid_coords(tk, "lat"))
             self.lon_key[changed] = lk
             self.lat_key[changed] = tk
             self._hv[changed] = hv
-            self._lat[changed] = lat[changed]
-            self._lon[changed] = lon[changed]
             if m == 0 or len(changed) * self.REBUILD_FRACTION > n:
-                rows = np.argsort(self._hv[:n], kind="stable").astype(np.int64)
+                rows = np.argsort(self._hv[:n], kind="stable").astype(np.int32)
                 self._rows, self._hv_sorted = rows, self._hv[rows]
                 self._lk_sorted, self._tk_sorted = self.lon_key[rows], self.lat_key[rows]
             else:

@@ -66,6 +66,7 @@ class PositionIndex:
         self._lon: F64 = np.zeros(0)
         self._t: F64 = np.zeros(0)
         self._alive: npt.NDArray[np.bool_] = np.zeros(0, bool)
+        self._touched: npt.NDArray[np.bool_] = np.zeros(0, bool)  # fix set since the last snapshot
         self._k: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self._min_area: F64 = np.zeros(0)
         self._max_area: F64 = np.zeros(0)
@@ -82,6 +83,7 @@ class PositionIndex:
         lon = np.zeros(capacity)
         t = np.full(capacity, -np.inf)
         alive = np.zeros(capacity, bool)
+        touched = np.zeros(capacity, bool)
         k = np.full(capacity, self.default_profile.k, np.int32)
         min_area = np.full(capacity, self.default_profile.min_area_m2)
         max_area = np.full(capacity, self.default_profile.max_area_m2)
@@ -91,11 +93,12 @@ class PositionIndex:
             lon[:n_old] = self._lon
             t[:n_old] = self._t
             alive[:n_old] = self._alive
+            touched[:n_old] = self._touched
             k[:n_old] = self._k
             min_area[:n_old] = self._min_area
             max_area[:n_old] = self._max_area
             salt[:n_old] = self._salt
-        self._lat, self._lon, self._t, self._alive = lat, lon, t, alive
+        self._lat, self._lon, self._t, self._alive, self._touched = lat, lon, t, alive, touched
         self._k, self._min_area, self._max_area, self._salt = k, min_area, max_area, salt
 
     def __len__(self) -> int:
@@ -112,6 +115,7 @@ class PositionIndex:
             + self._lon.nbytes
             + self._t.nbytes
             + self._alive.nbytes
+            + self._touched.nbytes
             + self._k.nbytes
             + self._min_area.nbytes
             + self._max_area.nbytes
@@ -150,6 +154,7 @@ class PositionIndex:
         self._lat[row] = lat
         self._lon[row] = lon
         self._t[row] = t
+        self._touched[row] = True
 
     def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> None:
         """Apply many fixes at once; for a user named twice the later item wins."""
@@ -171,6 +176,7 @@ class PositionIndex:
         self._lat[idx] = lat_a
         self._lon[idx] = lon_a
         self._t[idx] = t_a
+        self._touched[idx] = True
 
     def user_ids(self) -> list[str]:
         """Every user the index holds (present or not)."""
@@ -219,10 +225,12 @@ class PositionIndex:
         n = len(self._ids)
         present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
         rows = np.flatnonzero(present)
-        step = self._curve.advance(self._lat[:n], self._lon[:n], present)
+        touched = np.flatnonzero(self._touched[:n])
+        self._touched[touched] = False
+        step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched)
         self._ids_shared = True
-        view_of = np.full(n, -1, np.int64)
-        view_of[rows] = np.arange(len(rows), dtype=np.int64)
+        view_of = np.full(n, -1, np.int32)  # index row → view row (int32: 4 B/user)
+        view_of[rows] = np.arange(len(rows), dtype=np.int32)
         view = IndexView(
             user_ids=None,
             lat=self._lat[rows],
@@ -242,7 +250,7 @@ class PositionIndex:
         lat_key.setflags(write=False)
         view.__dict__["lon_key"] = lon_key
         view.__dict__["lat_key"] = lat_key
-        curve_rows = view_of[step.rows]
+        curve_rows = view_of[step.rows].astype(np.int64)
         for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
             a.setflags(write=False)
         view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
@@ -286,7 +294,7 @@ class _IndexLookup:
 
     __slots__ = ("ids", "index", "removals", "rows", "view_of")
 
-    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: I64) -> None:
+    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: npt.NDArray[np.int32]) -> None:
         self.index = index
         self.ids = ids
         self.rows = rows
@@ -406,7 +414,7 @@ class IndexView:
         return self._user_ids
 
     @property
-    def index_rows(self) -> tuple[I64, I64] | None:
+    def index_rows(self) -> tuple[I64, npt.NDArray[np.int32]] | None:
         """For a view of a :class:`PositionIndex`: (view row → index row, index row → view row or −1)."""
         return None if self._lookup is None else (self._lookup.rows, self._lookup.view_of)
 

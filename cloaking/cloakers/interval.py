@@ -238,7 +238,7 @@ class QuadtreeCounts:
         self._lon_keys = _ints(np.ascontiguousarray(self._lon_key))  # Python ints for single calls
         self._lat_keys = _ints(np.ascontiguousarray(self._lat_key))
         link = view.index_rows
-        self.view_of: I64 | None = None if link is None else link[1]
+        self.view_of: npt.NDArray[np.int32] | None = None if link is None else link[1]
         self._order: I64 | None = None
         self.root_counts: dict[Root, int] = {WORLD_ROOT: self.n}
         self.regions: defaultdict[str, dict[int, Region]] = defaultdict(dict)
@@ -348,7 +348,7 @@ class QuadtreeCounts:
     def order(self) -> I64:
         """The view rows in code order (built on first use from the sorted rows)."""
         if self._order is None:
-            order = self.rows if self.view_of is None else self.view_of[self.rows]
+            order = self.rows if self.view_of is None else self.view_of[self.rows].astype(np.int64)
             order.setflags(write=False)
             self._order = order
         return self._order
@@ -358,7 +358,7 @@ class QuadtreeCounts:
         if self._order is not None:
             return self._order[i:j]
         rows = self.rows[i:j]
-        return rows if self.view_of is None else self.view_of[rows]
+        return rows if self.view_of is None else self.view_of[rows].astype(np.int64)
 
     def grid(self, row: int) -> tuple[int, int]:
         """Level-29 grid coordinates of view row ``row`` (as ``view.gx[row], view.gy[row]``)."""

@@ -189,7 +189,9 @@ def load_population(args: argparse.Namespace, seed: int) -> Population:
 def run_bench_cloak(args: argparse.Namespace) -> int:
     """``kcloak bench cloak``: 0 when at least one algorithm was measured, else 1."""
     from kcloak.cloaking.bench import run_cloak_bench
+    from kcloak.core.memory import fix_mmap_threshold
 
+    fix_mmap_threshold()  # as `kcloak serve` does: the resident sizes reported are the broker's
     config = config_from_args(args)
     pop = load_population(args, config.seed)
     show = not args.no_progress and sys.stderr.isatty()
