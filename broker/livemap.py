@@ -146,7 +146,13 @@ class LiveMap:
 
     def answered(self, seconds: float) -> None:
         """A query was answered ``seconds`` after it was received."""
-        self._latencies.append((time.monotonic(), seconds))
+        now = time.monotonic()
+        latencies = self._latencies
+        latencies.append((now, seconds))
+        # Only the last LATENCY_WINDOW_S are ever shown: older answers go now, not when a viewer next
+        # asks (with no viewer the deque would otherwise stay at its 100,000 entries, ~9 MiB).
+        while now - latencies[0][0] > LATENCY_WINDOW_S:
+            latencies.popleft()
 
     # -- frames --------------------------------------------------------------------------------
     async def frame(self, windows: _Windows | None) -> bytes:

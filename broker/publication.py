@@ -58,6 +58,7 @@ import numpy.typing as npt
 from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
+from kcloak.broker.memory import trim
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
 from kcloak.core.logs import log_event
@@ -423,6 +424,7 @@ class WindowPublisher:
         else:
             release, n_few = await asyncio.to_thread(self._anonymize, fixes)
         del fixes
+        await asyncio.to_thread(trim)  # the window's columns, given back (kcloak.broker.memory)
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,

@@ -21,6 +21,7 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.config import Config, parse_listen
 from kcloak.broker.errors import BrokerError
+from kcloak.broker.memory import run_memdiag, run_trim, tune_allocator
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
 from kcloak.broker.stats import StatsLine
@@ -64,6 +65,7 @@ class Service:
         self._stopped = asyncio.Event()
 
     async def __aenter__(self) -> Self:
+        tune_allocator()
         try:
             await self._start()
         except BaseException:
@@ -72,6 +74,8 @@ class Service:
             await self._cancel_tasks()
             await self._stack.aclose()
             raise
+        self._tasks.append(asyncio.create_task(run_trim(), name="trim"))
+        self._tasks.append(asyncio.create_task(run_memdiag(), name="memdiag"))
         if self.config.log.stats_interval_s > 0:  # cancelled with the other tasks when the service stops
             stats = StatsLine(registry=self.metrics.registry, interval_s=self.config.log.stats_interval_s)
             self._tasks.append(asyncio.create_task(stats.run(), name="stats"))

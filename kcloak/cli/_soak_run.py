@@ -76,6 +76,8 @@ class SoakConfig:
     seed: int = 1
     keep_dir: Path | None = None
     """Keep the broker's data directory and logs here (default: a temporary directory, removed)."""
+    window_s: int | None = None
+    """The broker's ``publish.window_s`` (default: the shipped 900 s)."""
 
 
 @dataclass(slots=True)
@@ -142,6 +144,7 @@ def soak_broker_config(cfg: SoakConfig, *, data_dir: Path, upstream_url: str) ->
             "log.level": "warning",
             "log.format": "text",
         }
+        | ({} if cfg.window_s is None else {"publish.window_s": cfg.window_s})
     )
 
 

@@ -79,6 +79,13 @@ def add_parser(bench: SubParsers) -> None:
         "--query-kind", choices=("range", "knn", "mix"), default="mix", help="the users' queries (mix of range and knn)"
     )
     p.add_argument("--seed", type=int, default=1, metavar="N", help="seed of the users' movements and queries (1)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="S",
+        help="the broker's publication window in seconds (the shipped 900), e.g. 120 to see a window in a short run",
+    )
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the broker's data and logs in DIR")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE", help="draw RSS, p99 and refusals over time (PNG)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -101,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from kcloak.core.names import SpatialAlgorithm, values
     from kcloak.simulators.soak import Criteria
 
-    for name in ("duration", "sample_every", "rate", "calibrate"):
+    for name in ("duration", "sample_every", "rate", "calibrate", "window"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.warmup is not None and not (math.isfinite(args.warmup) and 0 <= args.warmup < args.duration):
         raise UsageError("--warmup: must be >= 0 and shorter than --duration")
@@ -125,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         criteria=Criteria(warmup_s=warmup),
         seed=args.seed,
         keep_dir=args.keep,
+        window_s=args.window,
     )
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 

@@ -287,3 +287,21 @@ async def test_the_latest_five_windows_newest_first(tmp_path: Path, spy: SpyUpst
     expected = sorted((w for w in listing if w["t_start"] <= newest), key=lambda w: -w["t_start"])[:5]
     assert [w["window_id"] for w in recent] == [w["window_id"] for w in expected]
     assert all(set(w) == {"window_id", "t_start", "t_end", "k", "n_in", "n_out", "status"} for w in recent)
+
+
+def test_answer_latencies_older_than_the_shown_span_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no viewer, the map keeps a minute of answer latencies, not its 100,000-entry maximum."""
+    import types
+
+    from kcloak.broker import livemap
+    from kcloak.broker.config import Config
+    from kcloak.broker.metrics import Metrics
+
+    now = [1000.0]
+    monkeypatch.setattr(livemap, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    lm = livemap.LiveMap(config=Config(), metrics=Metrics(version="test", algorithm="test"), positions=None)  # type: ignore[arg-type]
+    for _ in range(600):  # 10 minutes at 100 answers a second, no viewer
+        for _ in range(100):
+            lm.answered(0.05)
+        now[0] += 1.0
+    assert 6_000 <= len(lm._latencies) <= 6_200  # the last LATENCY_WINDOW_S (60 s) of them

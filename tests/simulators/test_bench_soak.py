@@ -91,6 +91,7 @@ def test_short_soak_reports_samples_ledger_and_verdict(tmp_path: Path) -> None:
         ("--rate", "-1"),
         ("--users", "3"),
         ("--algorithm", "nope"),
+        ("--window", "0"),
     ],
 )
 def test_bad_flags_exit_2_with_the_flag_named(flags: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
