@@ -5,10 +5,11 @@ from a glibc malloc arena of their own, and glibc keeps what is freed in an aren
 of returning it to the system: a soak saw the broker's RSS climb ~2.8 MiB a minute with the Python
 heap flat (tracemalloc), and a ``malloc_trim(0)`` given from outside took 100 MiB back at once. A
 publication window's columns (hundreds of MiB) went the same way. So, on glibc only (elsewhere both
-are no-ops): :func:`tune_allocator` caps the arenas at two and fixes the mmap threshold at 256 KiB
-(glibc otherwise raises it up to 32 MiB after a large free, so the next window's arrays land in the
-heap and stay there), and :func:`run_trim` calls ``malloc_trim(0)`` every :data:`TRIM_EVERY_S`
-seconds; publication calls :func:`trim` after each window.
+are no-ops): :func:`tune_allocator` caps the arenas at two and fixes the mmap threshold
+(:data:`kcloak.core.memory.MMAP_THRESHOLD`; glibc otherwise raises it up to 32 MiB after a large
+free, so the next window's arrays land in the heap and stay there), and :func:`run_trim` calls
+``malloc_trim(0)`` every :data:`TRIM_EVERY_S` seconds; publication calls :func:`trim` after each
+window.
 
 Diagnostics, off unless ``KCLOAK_MEMDIAG`` names a file: :func:`run_memdiag` starts
 :mod:`tracemalloc` (``KCLOAK_MEMDIAG_FRAMES`` frames, 1 by default) and, every
@@ -20,8 +21,6 @@ dump. Tracing slows the broker several times: a diagnostic, never a production s
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -29,36 +28,21 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from kcloak.core.memory import cap_arenas, fix_mmap_threshold, is_glibc, release_free_memory
+
 TOP = 25
 TRIM_EVERY_S = 30.0
 """How often :func:`run_trim` gives freed memory back."""
 ARENA_MAX = 2
-MMAP_THRESHOLD = 256 * 1024
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
 
 log = logging.getLogger("kcloak.memory")
 
 
-def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
-_LIBC = _glibc()
-
-
 def tune_allocator() -> bool:
     """Cap glibc's arenas and fix its mmap threshold (module docstring); False where not glibc."""
-    if _LIBC is None:
+    if not is_glibc():
         return False
-    ok = bool(_LIBC.mallopt(_M_ARENA_MAX, ARENA_MAX)) and bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    ok = cap_arenas(ARENA_MAX) and fix_mmap_threshold()
     if not ok:
         log.warning("mallopt refused")
     return ok
@@ -66,12 +50,12 @@ def tune_allocator() -> bool:
 
 def trim() -> bool:
     """Give the allocator's free memory back to the system (``malloc_trim(0)``); False where not glibc."""
-    return _LIBC is not None and bool(_LIBC.malloc_trim(0))
+    return release_free_memory()
 
 
 async def run_trim(every_s: float = TRIM_EVERY_S) -> None:
     """:func:`trim` every ``every_s`` seconds until cancelled (in a thread: it walks every arena)."""
-    if _LIBC is None:
+    if not is_glibc():
         return
     while True:
         await asyncio.sleep(every_s)

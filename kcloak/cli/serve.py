@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kcloak.core.logs import log_event, setup_logging
-from kcloak.core.memory import fix_mmap_threshold
 
 if TYPE_CHECKING:
     import asyncio
@@ -211,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TokensFileError) as exc:
         print(f"kcloak serve: {exc}", file=sys.stderr)
         return 2
-    fix_mmap_threshold()  # freed per-view arrays go back to the system (kcloak.core.memory)
     if args.cluster is not None:
         return run_cluster(args, cfg, tokens)
     for flag in ("cells", "partitions", "replicas", "worker_name", "dask_scheduler"):

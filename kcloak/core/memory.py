@@ -24,6 +24,7 @@ MMAP_THRESHOLD = 128 * 1024
 """Blocks from this size up are mapped on their own and unmapped when freed (glibc's initial value)."""
 
 _M_MMAP_THRESHOLD = -3  # malloc.h
+_M_ARENA_MAX = -8
 
 
 @functools.cache
@@ -45,6 +46,20 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     return bool(libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(nbytes)))
 
 
+def is_glibc() -> bool:
+    """Whether the process's C library is glibc (the only one these settings apply to)."""
+    return _glibc() is not None
+
+
+def cap_arenas(n: int) -> bool:
+    """Cap glibc's malloc arenas at ``n`` (each thread otherwise gets one that keeps what it frees).
+    True if set, False if not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(ctypes.c_int(_M_ARENA_MAX), ctypes.c_int(n)))
+
+
 def release_free_memory() -> bool:
     """Return the heap's free pages to the system (``malloc_trim(0)``). True if any were returned."""
     libc = _glibc()
@@ -53,4 +68,4 @@ def release_free_memory() -> bool:
     return bool(libc.malloc_trim(ctypes.c_size_t(0)))
 
 
-__all__ = ["MMAP_THRESHOLD", "fix_mmap_threshold", "release_free_memory"]
+__all__ = ["MMAP_THRESHOLD", "cap_arenas", "fix_mmap_threshold", "is_glibc", "release_free_memory"]
