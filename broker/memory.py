@@ -8,8 +8,8 @@ publication window's columns (hundreds of MiB) went the same way. So, on glibc o
 are no-ops): :func:`tune_allocator` caps the arenas at two and fixes the mmap threshold
 (:data:`kcloak.core.memory.MMAP_THRESHOLD`; glibc otherwise raises it up to 32 MiB after a large
 free, so the next window's arrays land in the heap and stay there), and :func:`run_trim` calls
-``malloc_trim(0)`` every :data:`TRIM_EVERY_S` seconds; publication calls :func:`trim` after each
-window.
+``malloc_trim(0)`` every :data:`TRIM_EVERY_S` seconds; publication calls
+:func:`~kcloak.core.memory.release_free_memory` after each window.
 
 Diagnostics, off unless ``KCLOAK_MEMDIAG`` names a file: :func:`run_memdiag` starts
 :mod:`tracemalloc` (``KCLOAK_MEMDIAG_FRAMES`` frames, 1 by default) and, every
@@ -48,18 +48,14 @@ def tune_allocator() -> bool:
     return ok
 
 
-def trim() -> bool:
-    """Give the allocator's free memory back to the system (``malloc_trim(0)``); False where not glibc."""
-    return release_free_memory()
-
-
 async def run_trim(every_s: float = TRIM_EVERY_S) -> None:
-    """:func:`trim` every ``every_s`` seconds until cancelled (in a thread: it walks every arena)."""
+    """``malloc_trim(0)`` (:func:`~kcloak.core.memory.release_free_memory`) every ``every_s`` seconds until
+    cancelled (in a thread: it walks every arena)."""
     if not is_glibc():
         return
     while True:
         await asyncio.sleep(every_s)
-        await asyncio.to_thread(trim)
+        await asyncio.to_thread(release_free_memory)
 
 
 def _rss() -> str:

@@ -58,10 +58,10 @@ import numpy.typing as npt
 from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
-from kcloak.broker.memory import trim
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import GroupCommitWriter, MovementStore
 from kcloak.core.logs import log_event
+from kcloak.core.memory import release_free_memory
 from kcloak.core.readers import FixTable, write_contract_csv
 from kcloak.core.schemas import FIXES, WINDOWS, WindowState
 from kcloak.streams.publish import METHODS, Release, anonymize
@@ -424,7 +424,7 @@ class WindowPublisher:
         else:
             release, n_few = await asyncio.to_thread(self._anonymize, fixes)
         del fixes
-        await asyncio.to_thread(trim)  # the window's columns, given back (kcloak.broker.memory)
+        await asyncio.to_thread(release_free_memory)  # the window's columns, given back (kcloak.core.memory)
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 SCRIPT = """
 import json, sys, threading
-from kcloak.broker.memory import trim, tune_allocator
+from kcloak.broker.memory import tune_allocator
+from kcloak.core.memory import release_free_memory
 
 def anon_kib():
     with open("/proc/self/status") as f:
@@ -37,7 +38,7 @@ t = threading.Thread(target=work)
 t.start()
 t.join()
 freed = anon_kib()
-trimmed = trim() if sys.argv[1] == "trim" else False
+trimmed = release_free_memory() if sys.argv[1] == "trim" else False
 after = anon_kib()
 print(json.dumps({"tuned": tuned, "trimmed": trimmed, "held_mib": (freed - before) / 1024,
                   "after_mib": (after - before) / 1024}))
