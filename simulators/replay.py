@@ -13,6 +13,7 @@ under way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import Counter
@@ -248,8 +249,10 @@ async def run_replay(
     *,
     plan: ReplayPlan | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> ReplaySummary:
-    """Replay ``cfg.input`` in real time (scaled by ``speed``); see the module docstring.
+    """Replay ``cfg.input`` in real time (scaled by ``speed``); see the module docstring. Setting ``stop`` ends
+    the replay early: outstanding answers are awaited as at the end, and the summary counts what was sent.
 
     Raises :class:`ReplayInputError` (exit 2) and :class:`~kcloak.simulators.transport.TransportError` (exit 1).
     """
@@ -277,7 +280,7 @@ async def run_replay(
         start = time.time()
         i = 0
         last_tick = start
-        while i < n:
+        while i < n and not (stop is not None and stop.is_set()):
             now = time.time()
             due = now - start
             j = i
@@ -300,8 +303,12 @@ async def run_replay(
                     await client.send_query(users[u], query, intended=intended)
             last_tick = now
             if i < n:
-                wait = max(start + off_l[i] - time.time(), 0.0)
-                await asyncio.sleep(min(wait, TICK_S if q_rate > 0 else 1.0))
+                wait = min(max(start + off_l[i] - time.time(), 0.0), TICK_S if q_rate > 0 else 1.0)
+                if stop is None:
+                    await asyncio.sleep(wait)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
         await client.drain(10.0)
         st = client.stats
         errors = dict(st.errors)

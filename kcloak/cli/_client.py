@@ -20,6 +20,8 @@ from kcloak.cli.main import UsageError
 from kcloak.core.names import InputFormat, MobilityModelName, SimulatedQueryKind, values
 
 if TYPE_CHECKING:
+    import asyncio
+
     from kcloak.simulators.transport import TransportError
 
 MODELS: tuple[str, ...] = values(MobilityModelName)
@@ -64,15 +66,23 @@ def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], Non
 
 
 def run_client(
-    broker: str, tokens: Path | None, work: Callable[[], Coroutine[Any, Any, T]], *, announce: str | None = None
+    broker: str,
+    tokens: Path | None,
+    work: Callable[[asyncio.Event | None], Coroutine[Any, Any, T]],
+    *,
+    announce: str | None = None,
+    stoppable: bool = False,
 ) -> T:
-    """Probe ``broker`` (must be a running kcloak), then run ``work()``; bad input becomes :class:`UsageError`.
+    """Probe ``broker`` (must be a running kcloak), then run ``work(stop)``; bad input becomes :class:`UsageError`.
 
     ``announce`` goes to stderr once the probe succeeded. The probe uses the tokens file's first user over MQTT. Raises
     :class:`~kcloak.simulators.transport.TransportError` (exit 1) when the broker is unreachable or not kcloak.
+    ``stoppable``: the work ends its run early and still reports when ``stop`` is set, which SIGINT (Ctrl-C) or
+    SIGTERM do (:func:`~kcloak.cli._signals.signals_stop`); otherwise ``stop`` is None and Ctrl-C interrupts.
     """
     import asyncio
 
+    from kcloak.cli._signals import signals_stop
     from kcloak.simulators.client import ClientInputError, load_client_tokens
     from kcloak.simulators.preflight import probe_broker
     from kcloak.simulators.traffic import SimulationInputError
@@ -83,10 +93,17 @@ def run_client(
         raise UsageError(str(exc)) from None
 
     async def checked() -> T:
-        await probe_broker(broker, credentials=credentials)
-        if announce is not None:
-            say(announce)
-        return await work()
+        if not stoppable:
+            await probe_broker(broker, credentials=credentials)
+            if announce is not None:
+                say(announce)
+            return await work(None)
+        stop = asyncio.Event()
+        with signals_stop(stop):
+            await probe_broker(broker, credentials=credentials)
+            if announce is not None:
+                say(announce)
+            return await work(stop)
 
     try:
         return asyncio.run(checked())
@@ -179,9 +196,10 @@ def unreachable(exc: TransportError) -> int:
 def run_and_report(
     args: argparse.Namespace,
     label: str,
-    work: Callable[[Progress | None], Coroutine[Any, Any, Any]],
+    work: Callable[[Progress | None, asyncio.Event | None], Coroutine[Any, Any, Any]],
     *,
     announce: str | None = None,
+    stoppable: bool = False,
     after: Callable[[dict[str, Any]], str | None] | None = None,
     fixes: dict[str, str] | None = None,
 ) -> int:
@@ -192,7 +210,9 @@ def run_and_report(
 
     with progress_bar(not args.no_progress, label) as update:
         try:
-            summary = run_client(args.broker, args.tokens, lambda: work(update), announce=announce)
+            summary = run_client(
+                args.broker, args.tokens, lambda stop: work(update, stop), announce=announce, stoppable=stoppable
+            )
         except TransportError as exc:
             return unreachable(exc)
     obj = summary.to_json()

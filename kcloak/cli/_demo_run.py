@@ -38,12 +38,11 @@ import asyncio
 import contextlib
 import json
 import math
-import signal
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final, Self, TypeVar
@@ -56,6 +55,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from kcloak.broker.config import Config
+from kcloak.cli._signals import signals_stop
 from kcloak.cli.demo import (
     DEMO_MAX_UPDATE_AGE_S,
     DEMO_MIN_TRAFFIC_SHARE,
@@ -287,31 +287,6 @@ def count_published_windows(http_port: int) -> int:
             return total
         since = nxt
     return total
-
-
-@contextlib.contextmanager
-def _sigint_stops(stop: asyncio.Event) -> Iterator[None]:
-    """SIGINT/SIGTERM set ``stop`` (the report is still written); another SIGINT a second later interrupts."""
-    loop = asyncio.get_running_loop()
-    first_t: list[float] = []
-
-    def on_signal() -> None:
-        if not first_t:
-            first_t.append(time.monotonic())
-            stop.set()
-        elif time.monotonic() - first_t[0] > 1.0:
-            raise KeyboardInterrupt
-
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, on_signal)
-            installed.append(sig)
-    try:
-        yield
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
 
 
 def _requested_k() -> list[int]:
@@ -561,7 +536,7 @@ async def run_demo(
     interrupt = asyncio.Event()
     area = cfg.area or demo_area(cfg.users)
     sim_summary: SimulationSummary | None = None
-    with _sigint_stops(interrupt), tempfile.TemporaryDirectory(prefix="kcloak-demo-") as tmp:
+    with signals_stop(interrupt), tempfile.TemporaryDirectory(prefix="kcloak-demo-") as tmp:
         work = Path(tmp)
         streets_task = asyncio.create_task(asyncio.to_thread(prepare_streets, area))
         streets_task.add_done_callback(

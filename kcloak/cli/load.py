@@ -58,7 +58,7 @@ def run_load_cmd(args: argparse.Namespace) -> int:
     code = client.run_and_report(
         args,
         "load",
-        lambda update: run_load(cfg, on_progress=update),
+        lambda update, _stop: run_load(cfg, on_progress=update),
         announce=(
             f"kcloak load: placing {args.users:,} users (one fix each), then {args.rate:g} messages/s for "
             f"{args.duration:g} s, then up to {cfg.drain_s:g} s for the last answers"

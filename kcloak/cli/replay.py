@@ -26,6 +26,7 @@ def add_parser(subparsers: SubParsers) -> None:
             "later, stamped with its send time; each user's order is kept. Before sending, it prints how\n"
             "long the replay will take (recorded span / --speed): raise --speed to compress time, or cap\n"
             "the run with --max-duration. --sample replays a bundled hour of real AIS traffic (295 vessels).\n"
+            "Ctrl-C or SIGTERM ends the replay early: the last answers are awaited and the summary printed.\n"
             'JSON: {"users", "sent", "accepted" (null over MQTT), "refused": {code: n}, "bad_rows",\n'
             '"duration_s", "queries", "answers", ...}.'
         ),
@@ -115,7 +116,8 @@ def run_replay_cmd(args: argparse.Namespace) -> int:
     return client.run_and_report(
         args,
         "replay",
-        lambda update: run_replay(cfg, plan=plan, on_progress=update),
+        lambda update, stop: run_replay(cfg, plan=plan, on_progress=update, stop=stop),
         announce=replay_eta(plan, cfg.speed, cfg.max_duration_s),
         fixes={"area_exceeded": "the recorded users are too far apart for the profiles' k"},
+        stoppable=True,
     )

@@ -33,6 +33,7 @@ def add_parser(subparsers: SubParsers) -> None:
             '[{"weight": w, "profile": {"k": 10, ...}}, ...] (default 50 % k=5, 30 % k=10, 20 % k=20).\n'
             "Open mode sends each step's fixes as batch messages; with --tokens every user publishes on\n"
             "its own topic or route. Query latency is measured from each query's intended send time.\n"
+            "Ctrl-C or SIGTERM ends the run early: the last answers are awaited and the summary printed.\n"
             'JSON: {"users", "sent", "accepted" (null over MQTT), "refused": {code: n}, "duration_s",\n'
             '"queries", "answers": {"ok", "refused", "unanswered", "reasons"}, ...}.'
         ),
@@ -130,10 +131,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     return client.run_and_report(
         args,
         "simulate",
-        lambda update: run_simulation(cfg, observer=Ticker(update)),
+        lambda update, stop: run_simulation(cfg, observer=Ticker(update), stop=stop),
         announce=f"kcloak simulate: {args.users:,} users ({args.model}) in {where}, for {args.duration:g} s",
         fixes={
             "k_unreachable": "run more --users",
             "area_exceeded": "put the users closer together (a smaller --area or more --users)",
         },
+        stoppable=True,
     )

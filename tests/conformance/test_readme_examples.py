@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -40,6 +41,21 @@ def _readme_sequence(base: str, qid: str, *, profile: bool = True) -> dict[str, 
     return answer
 
 
+def _background(servers: Servers, argv: list[str]) -> subprocess.Popen[bytes]:
+    """A client command started as the README starts it (in the background), its output piped; stopped with the
+    servers."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
+    servers.procs.append(proc)
+    return proc
+
+
 def test_readme_curl_sequence_succeeds_while_simulate_runs(servers: Servers) -> None:
     served = servers.serve(upstream=servers.lbs())
     base = served.url("")
@@ -49,7 +65,8 @@ def test_readme_curl_sequence_succeeds_while_simulate_runs(servers: Servers) -> 
     message = str(alone["message"])
     assert "k" in message and "retry" in message and "lower k" in message, message  # says what to change
 
-    sim = subprocess.Popen(
+    sim = _background(
+        servers,
         kcloak(
             "simulate",
             "--broker",
@@ -64,13 +81,7 @@ def test_readme_curl_sequence_succeeds_while_simulate_runs(servers: Servers) -> 
             "7",
             "--json",
         ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True,
     )
-    servers.procs.append(sim)
     deadline = time.monotonic() + 30.0
     answers: list[dict[str, object]] = []
     while time.monotonic() < deadline and sim.poll() is None:
@@ -216,3 +227,30 @@ def test_load_accounts_for_its_time(shared: Served) -> None:
     report = json.loads(out.stdout)
     sent = report["sent_updates"] + report["sent_queries"]
     assert sent + report["unsent"] == 600
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("simulate", "--users", "200", "--duration", "600", "--seed", "3"),
+        ("replay", "--sample", "--speed", "10"),
+    ],
+    ids=["simulate", "replay"],
+)
+def test_a_background_run_stopped_by_sigterm_still_reports(servers: Servers, command: tuple[str, ...]) -> None:
+    """The README starts ``kcloak simulate`` in the background for ten minutes; ``kill`` (SIGTERM) ends such a run
+    early, and the command still waits for its last answers and prints its summary (exit 0)."""
+    served = servers.serve()
+    proc = _background(servers, kcloak(*command, "--broker", f"mqtt://127.0.0.1:{served.mqtt_port}", "--json"))
+    assert proc.stderr is not None
+    announced = proc.stderr.readline().decode()  # written once the broker answered the probe, before any traffic
+    assert announced.startswith(f"kcloak {command[0]}: "), announced
+    time.sleep(3.0)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert time.monotonic() - started < 30.0  # stopped early, not at the end of its 10 min (or 6 min) run
+    summary = json.loads(out)
+    assert summary["sent"] > 0
+    assert summary["duration_s"] < 60.0
