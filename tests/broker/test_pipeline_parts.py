@@ -107,6 +107,27 @@ async def test_fix_intake_runs_with_a_store_and_positions_only(movement: Movemen
     assert res.codes == [ReasonCode.OUT_OF_ORDER]  # the restored fix still orders ann's fixes
 
 
+async def test_a_query_waits_for_an_earlier_fix_when_a_later_one_was_decided_first(movement: MovementStore) -> None:
+    """A later fix of the user that is rejected at once (no commit to wait for) is decided before
+    an earlier accepted one still being committed: the query must still wait for the earlier one."""
+    positions = Positions(index=PositionIndex(stale_after_s=60.0, default_profile=PrivacyProfile()))
+    intake = FixIntake(
+        cloaking=CloakingConfig(), limits=LimitsConfig(), metrics=metrics(), movement=movement, positions=positions
+    )
+    now = time.time()
+    first = intake.enqueue_fixes("mqtt", [("ann", {"t": now - 5, "lat": 39.9, "lon": 116.4})])
+    other = intake.enqueue_fixes("mqtt", [("bob", {"t": now - 5, "lat": 39.8, "lon": 116.3})])
+    await asyncio.sleep(0)  # the first fix is validated and waits for its commit
+    rejected = intake.enqueue_fixes("mqtt", [("ann", {"t": now - 9, "lat": 39.7, "lon": 116.2})])
+    await asyncio.wait_for(rejected, 5)
+    assert (await rejected).codes == [ReasonCode.OUT_OF_ORDER]
+    await asyncio.wait_for(intake.own_fixes_decided("ann"), 5)
+    assert first.done()
+    assert positions.fix("ann") == (39.9, 116.4, now - 5)
+    await asyncio.wait_for(other, 5)
+    await asyncio.wait_for(intake.own_fixes_decided("ann"), 5)  # nothing pending: returns at once
+
+
 async def test_snapshot_cloaking_runs_on_positions_filled_directly() -> None:
     now = time.time()
     positions = positions_of(crowd(40, now))
