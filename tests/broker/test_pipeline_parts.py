@@ -128,6 +128,26 @@ async def test_a_query_waits_for_an_earlier_fix_when_a_later_one_was_decided_fir
     await asyncio.wait_for(intake.own_fixes_decided("ann"), 5)  # nothing pending: returns at once
 
 
+@pytest.mark.parametrize("size", [3, 40, 600])
+def test_a_batch_of_fixes_leaves_each_user_at_its_last_fix(size: int) -> None:
+    """Small and large batches (the latter written column by column) end alike: each user at the
+    last of its fixes in the batch, new and known users, a user named several times included."""
+    positions = positions_of(crowd(5, 100.0))
+    rng = np.random.default_rng(size)
+    batch = [
+        (f"u{int(rng.integers(0, 9)):03d}", 200.0 + i, 39.0 + float(rng.uniform()), 116.0 + float(rng.uniform()))
+        for i in range(size)
+    ]
+    before = positions.version
+    positions.apply(batch)
+    expected = {user: (lat, lon, t) for user, t, lat, lon in batch}
+    for user in {f"u{i:03d}" for i in range(9)}:
+        assert positions.fix(user) == expected.get(user, positions.fix(user))
+        if user in expected:
+            assert positions.user_version(user) == before + 1
+    assert len(positions) == len({f"u{i:03d}" for i in range(5)} | set(expected))
+
+
 async def test_snapshot_cloaking_runs_on_positions_filled_directly() -> None:
     now = time.time()
     positions = positions_of(crowd(40, now))
