@@ -352,7 +352,7 @@ class _Queries:
         self.rate = rate
         self.prefix = f"{tag}-{os.getpid()}-"
         self.mine = f'"query_id":"{self.prefix}'.encode()
-        """In the answers to this worker's queries (the answer filter also brings the others')."""
+        """In the answers to this worker's queries (its users' answers to other queries are not its own)."""
         self.duration_s = duration_s
         self.start = self.end = 0.0
         self.sent = 0
@@ -367,6 +367,12 @@ class _Queries:
     def delay(self) -> float:
         """Seconds until the next query is due (0 when closed loop)."""
         return 0.0 if self.rate is None else max(0.0, self.start + self.sent / self.rate - time.monotonic())
+
+    def answer_topics(self) -> list[str]:
+        """This worker's users' answer topics, subscribed one by one as each app subscribes to its
+        own: a ``kcloak/v1/answer/+`` in every worker would have the broker encode and send every
+        answer to every worker, and every worker read them all."""
+        return [f"kcloak/v1/answer/{user}" for user, _, _ in self.users]
 
     def next(self) -> tuple[str, bytes]:
         user = self.users[self.sent % len(self.users)][0]
@@ -400,7 +406,7 @@ def _mqtt_query_worker(
                     window.release()
 
         async with MqttClient(host="127.0.0.1", port=port, client_prefix="bench", on_messages=on_answers) as conn:
-            await conn.subscribe(["kcloak/v1/answer/+"])
+            await conn.subscribe(queries.answer_topics())
             queries.begin()
             while queries.running():
                 if rate is not None:
@@ -439,9 +445,9 @@ def _paho_query_worker(
     client.max_queued_messages_set(0)
     client.connect("127.0.0.1", port)
     client.loop_start()
-    client.subscribe("kcloak/v1/answer/+", qos=1)
-    subscribed.wait(10)
     queries = _Queries(users, duration_s, rate, tag)
+    client.subscribe([(topic, 1) for topic in queries.answer_topics()])
+    subscribed.wait(10)
     client.on_message = lambda _c, _u, msg: window.release() if queries.mine in msg.payload else None
     queries.begin()
     while queries.running():

@@ -11,8 +11,11 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from kcloak.broker.config import CloakingConfig, LimitsConfig
@@ -69,9 +72,12 @@ class FixIntake:
         self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
         self._last_t: dict[str, float] = {}
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
-        self._fixes_in_flight: dict[str, set[asyncio.Future[Any]]] = {}
-        """Per user, the fix submissions received and not yet decided (:meth:`enqueue_fixes`,
-        :meth:`decide_fixes`)."""
+        self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
+        """Per user, the marker of the latest fix submission that held a fix of the user
+        (:meth:`enqueue_fixes`, :meth:`decide_fixes`): done once it and every earlier one are decided."""
+        self._submissions: deque[tuple[asyncio.Future[Any], asyncio.Future[None]]] = deque()
+        """Submissions not yet decided or with an earlier one not yet decided, in the order received,
+        each with its marker."""
 
     def begin_shutdown(self) -> None:
         self.closing = True
@@ -191,8 +197,8 @@ class FixIntake:
         before it, whatever the transport and whatever the size of the message that carried it."""
         coro = self.submit_fix_batch(transport, items) if batch else self.submit_fixes(transport, items, source=source)
         task = asyncio.create_task(coro)
-        users = self._received(items, task)
-        task.add_done_callback(lambda done: self._decided(users, done))
+        self._received(items, task)
+        task.add_done_callback(self._decided)
         return task
 
     async def decide_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
@@ -201,41 +207,39 @@ class FixIntake:
         as with :meth:`enqueue_fixes`, without a task of their own (the checks run before this
         first yields, so fixes are still decided in the order received)."""
         decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        users = self._received(items, decided)
+        self._received(items, decided)
         try:
             return await self.submit_fixes(transport, items, source=source)
         finally:
             decided.set_result(None)
-            self._decided(users, decided)
+            self._decided(decided)
 
-    def _received(self, items: list[tuple[str, Any]], pending: asyncio.Future[Any]) -> set[str]:
-        """Hold queries of the users of ``items`` until ``pending`` is done (:meth:`own_fixes_decided`);
-        returns those users, for :meth:`_decided`."""
-        users = {user for user, _ in items}
-        in_flight = self._fixes_in_flight
-        for user in users:
-            tasks = in_flight.get(user)
-            if tasks is None:
-                in_flight[user] = {pending}
-            else:
-                tasks.add(pending)
-        return users
+    def _received(self, items: list[tuple[str, Any]], pending: asyncio.Future[Any]) -> None:
+        """Hold queries of the users of ``items`` until ``pending`` and every submission received
+        before it are done (:meth:`own_fixes_decided`); :meth:`_decided` is called once it is done.
 
-    def _decided(self, users: set[str], done: asyncio.Future[Any]) -> None:
-        in_flight = self._fixes_in_flight
-        for user in users:
-            tasks = in_flight.get(user)
-            if tasks is not None:
-                tasks.discard(done)
-                if not tasks:
-                    del in_flight[user]
+        One marker per submission, in order, rather than each user's set of pending submissions:
+        the bookkeeping is one dictionary update per submission, not Python work per fix."""
+        marker: asyncio.Future[None] = pending.get_loop().create_future()
+        self._fixes_in_flight.update(zip(map(itemgetter(0), items), repeat(marker)))
+        self._submissions.append((pending, marker))
+
+    def _decided(self, _: asyncio.Future[Any] | None = None) -> None:
+        """Mark the submissions decided in order, up to the first that is not; with none left
+        undecided, forget every user's marker (all are done)."""
+        submissions = self._submissions
+        while submissions and submissions[0][0].done():
+            _, marker = submissions.popleft()
+            marker.set_result(None)
+        if not submissions:
+            self._fixes_in_flight.clear()
 
     async def own_fixes_decided(self, user: str) -> None:
         """Wait until the fixes of ``user`` received before now are decided (later ones are not
         waited for, so a steady stream of fixes never holds a query up)."""
-        tasks = self._fixes_in_flight.get(user)
-        if tasks:
-            await asyncio.wait(set(tasks))
+        marker = self._fixes_in_flight.get(user)
+        if marker is not None and not marker.done():
+            await asyncio.wait((marker,))  # not the marker itself: a cancelled query must not cancel it
 
 
 __all__ = ["FIX_CHUNK", "FixIntake", "FixResult"]

@@ -98,7 +98,7 @@ class MqttDoor:
             port=port,
             tokens=tokens,
             published_readers=frozenset(cfg.auth.published_readers),
-            dispatch=self.dispatch,
+            dispatch=self._dispatch,  # the server catches and logs what it raises, as dispatch would
             dropped=self.dropped,
             max_packet_bytes=cfg.limits.batch_bytes + 64 * 1024,
             session_expiry_s=cfg.sessions.max_s,

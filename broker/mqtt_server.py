@@ -299,11 +299,15 @@ class _Connection(asyncio.Protocol):
         buf = self.buf
         while self.state != _CLOSED:
             frames, pos = split_frames(buf, MAX_REMAINING_LENGTH)
+            limit = self._limit()
             for first, i, end in frames:
-                if end - i > self._limit():
+                if end - i > limit:
                     self._oversize(first, i, end - i)
+                elif first >> 4 == PUBLISH and self.state == _OPEN:  # most packets: straight to it
+                    self._on_publish(first, i, end)
                 else:
                     self._packet(first, i, end)
+                    limit = self._limit()  # a CONNECT raises it
                 if self.state == _CLOSED:
                     return
             del buf[:pos]
@@ -462,7 +466,9 @@ class _Connection(asyncio.Protocol):
         if qos == 3:
             raise MalformedFrame("QoS 3")
         buf = self.buf
-        pos = i + 2 + read_u16(buf, i, end)
+        if i + 2 > end:
+            raise MalformedFrame("truncated")
+        pos = i + 2 + ((buf[i] << 8) | buf[i + 1])
         if pos > end:
             raise MalformedFrame("field beyond the packet")
         raw = bytes(buf[i + 2 : pos])
@@ -480,7 +486,7 @@ class _Connection(asyncio.Protocol):
         if qos == 2 and pid in session.qos2:  # a retransmission before PUBREL: delivered once only
             self._ack(PUBREC, pid, session.qos2[pid])
             return
-        fut = self.server._route(self.user, topic, bytes(self.buf[pos:end]), retain)
+        fut = self.server._route(self.user, topic, bytes(buf[pos:end]), retain)
         if qos == 1:
             self._ack(PUBACK, pid, fut)
         elif qos == 2:

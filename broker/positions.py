@@ -10,6 +10,7 @@ different processes).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Protocol
 
 from kcloak.broker.history import RecentFixes
@@ -42,6 +43,10 @@ class PositionReader(Protocol):
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView: ...
 
 
+BATCH_UPDATE_ROWS = 16
+"""Batches of at least this many fixes are written into the index column by column."""
+
+
 class Positions:
     """The position index with its history and version (implements :class:`PositionReader`).
 
@@ -71,10 +76,17 @@ class Positions:
         self._version += 1
         version = self._version
         index, history = self.index, self._history
-        for user, t, lat, lon in fixes:
-            index.update(user, lat, lon, t)
-            self._user_version[user] = version
-            if history is not None:
+        rows = fixes if isinstance(fixes, list) else list(fixes)
+        if len(rows) >= BATCH_UPDATE_ROWS:  # one array assignment per column, not four per fix
+            users, ts, lats, lons = zip(*rows, strict=True)
+            index.update_batch(users, lats, lons, ts)
+            self._user_version.update(zip(users, repeat(version)))
+        else:
+            for user, t, lat, lon in rows:
+                index.update(user, lat, lon, t)
+                self._user_version[user] = version
+        if history is not None:
+            for user, t, lat, lon in rows:
                 history.append(user, t, lat, lon)
 
     def restore(

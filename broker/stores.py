@@ -203,8 +203,12 @@ class ProfileStore:
         return [_stored_profile(r) for r in rows]
 
 
-MAX_STATEMENT_PARAMS = 999
-"""Parameters of one multi-row insert (SQLite's limit before 3.32; later ones allow 32,766)."""
+MAX_STATEMENT_PARAMS = 32_766
+"""Most parameters of one multi-row insert (SQLite's default limit since 3.32; a library built with a
+lower ``SQLITE_LIMIT_VARIABLE_NUMBER``, such as 999 before 3.32, is asked and its limit used)."""
+
+MAX_STATEMENT_ROWS = 4096
+"""Most rows of one multi-row insert (a statement of this size is about 60 KB of SQL text)."""
 
 
 class _Batch:
@@ -250,6 +254,7 @@ class GroupCommitWriter:
         self._linger_s = linger_s
         self._sql = insert_sql
         self._multi_sql: dict[int, str] = {}
+        self._max_params = min(MAX_STATEMENT_PARAMS, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
         self._capacity = capacity
         self._pending_rows = 0
         self._count_lock = threading.Lock()
@@ -372,11 +377,15 @@ class GroupCommitWriter:
         writes = any(b.rows or b.sql is not None for b in batches)
         try:
             self._conn.execute("BEGIN")
+            rows: list[tuple[Any, ...]] = []  # consecutive writes' rows, inserted together
             for b in batches:
                 if b.sql is not None:
+                    self._insert(rows)
+                    rows = []
                     b.rowcount = self._conn.execute(b.sql, b.params).rowcount
-                elif b.rows:
-                    self._insert(b.rows)
+                else:
+                    rows += b.rows
+            self._insert(rows)
             self._conn.execute("COMMIT")
         except Exception as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -390,9 +399,14 @@ class GroupCommitWriter:
 
     def _insert(self, rows: Sequence[tuple[Any, ...]]) -> None:
         """Insert ``rows`` with multi-row statements (``VALUES (…), (…), …``) of a power-of-two number
-        of rows, at most :data:`MAX_STATEMENT_PARAMS` parameters each: ``executemany`` steps SQLite
-        once per row and takes the interpreter lock back after each step, which makes the event
-        loop's thread give it up once per row; this takes it back once per statement."""
+        of rows, at most :data:`MAX_STATEMENT_ROWS` and the library's parameter limit each.
+
+        Each statement is one hand-back of the interpreter lock from SQLite to this thread, and while
+        the event loop's thread is busy that hand-back waits for its switch interval (5 ms): with
+        ``executemany`` (a hand-back per row) or statements of a few hundred rows, that wait, not
+        SQLite, bounded the rows this thread could commit per second under load."""
+        if not rows:
+            return
         width = len(rows[0])
         size = self._rows_per_statement(width)
         i, n = 0, len(rows)
@@ -402,10 +416,9 @@ class GroupCommitWriter:
             self._conn.execute(self._multi_row_sql(size), list(chain.from_iterable(rows[i : i + size])))
             i += size
 
-    @staticmethod
-    def _rows_per_statement(width: int) -> int:
+    def _rows_per_statement(self, width: int) -> int:
         size = 1
-        while size * 2 * width <= MAX_STATEMENT_PARAMS:
+        while size < MAX_STATEMENT_ROWS and size * 2 * width <= self._max_params:
             size *= 2
         return size
 

@@ -139,10 +139,14 @@ def split_frames(buf: bytearray, max_packet: int = MAX_REMAINING_LENGTH) -> tupl
     frames: list[tuple[int, int, int]] = []
     pos, n = 0, len(buf)
     while n - pos >= 2:
-        head = read_header(buf, pos)
-        if head is None:
-            break
-        length, i = head
+        length = buf[pos + 1]
+        if length < 0x80:  # a one-byte remaining length (packets under 128 bytes, such as most fixes)
+            i = pos + 2
+        else:
+            head = read_header(buf, pos)
+            if head is None:
+                break
+            length, i = head
         if length > max_packet:
             raise MalformedFrame("packet too large")
         end = i + length

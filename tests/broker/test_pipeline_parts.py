@@ -107,6 +107,47 @@ async def test_fix_intake_runs_with_a_store_and_positions_only(movement: Movemen
     assert res.codes == [ReasonCode.OUT_OF_ORDER]  # the restored fix still orders ann's fixes
 
 
+async def test_a_query_waits_for_an_earlier_fix_when_a_later_one_was_decided_first(movement: MovementStore) -> None:
+    """A later fix of the user that is rejected at once (no commit to wait for) is decided before
+    an earlier accepted one still being committed: the query must still wait for the earlier one."""
+    positions = Positions(index=PositionIndex(stale_after_s=60.0, default_profile=PrivacyProfile()))
+    intake = FixIntake(
+        cloaking=CloakingConfig(), limits=LimitsConfig(), metrics=metrics(), movement=movement, positions=positions
+    )
+    now = time.time()
+    first = intake.enqueue_fixes("mqtt", [("ann", {"t": now - 5, "lat": 39.9, "lon": 116.4})])
+    other = intake.enqueue_fixes("mqtt", [("bob", {"t": now - 5, "lat": 39.8, "lon": 116.3})])
+    await asyncio.sleep(0)  # the first fix is validated and waits for its commit
+    rejected = intake.enqueue_fixes("mqtt", [("ann", {"t": now - 9, "lat": 39.7, "lon": 116.2})])
+    await asyncio.wait_for(rejected, 5)
+    assert (await rejected).codes == [ReasonCode.OUT_OF_ORDER]
+    await asyncio.wait_for(intake.own_fixes_decided("ann"), 5)
+    assert first.done()
+    assert positions.fix("ann") == (39.9, 116.4, now - 5)
+    await asyncio.wait_for(other, 5)
+    await asyncio.wait_for(intake.own_fixes_decided("ann"), 5)  # nothing pending: returns at once
+
+
+@pytest.mark.parametrize("size", [3, 40, 600])
+def test_a_batch_of_fixes_leaves_each_user_at_its_last_fix(size: int) -> None:
+    """Small and large batches (the latter written column by column) end alike: each user at the
+    last of its fixes in the batch, new and known users, a user named several times included."""
+    positions = positions_of(crowd(5, 100.0))
+    rng = np.random.default_rng(size)
+    batch = [
+        (f"u{int(rng.integers(0, 9)):03d}", 200.0 + i, 39.0 + float(rng.uniform()), 116.0 + float(rng.uniform()))
+        for i in range(size)
+    ]
+    before = positions.version
+    positions.apply(batch)
+    expected = {user: (lat, lon, t) for user, t, lat, lon in batch}
+    for user in {f"u{i:03d}" for i in range(9)}:
+        assert positions.fix(user) == expected.get(user, positions.fix(user))
+        if user in expected:
+            assert positions.user_version(user) == before + 1
+    assert len(positions) == len({f"u{i:03d}" for i in range(5)} | set(expected))
+
+
 async def test_snapshot_cloaking_runs_on_positions_filled_directly() -> None:
     now = time.time()
     positions = positions_of(crowd(40, now))

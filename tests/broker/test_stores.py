@@ -216,7 +216,7 @@ async def test_a_bad_row_fails_only_its_own_write(tmp_path: Path) -> None:
         store.close()
 
 
-@pytest.mark.parametrize("sizes", [[1], [3, 129, 1000], [257, 2, 64]])
+@pytest.mark.parametrize("sizes", [[1], [3, 129, 1000], [257, 2, 64], [4095, 9000, 1]])
 async def test_writes_of_any_size_store_every_row_once_first_duplicate_kept(tmp_path: Path, sizes: list[int]) -> None:
     """Rows go in as multi-row statements of whatever sizes fit: every row of every write is there,
     read back with a plain connection, and a repeated (user, t) keeps its first row (INSERT OR IGNORE)."""
