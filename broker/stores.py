@@ -233,7 +233,7 @@ class GroupCommitWriter:
     ``await writer.write(rows)`` returns once the rows are committed. The queue is bounded
     (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
     waiting. Timing of each commit is reported to ``on_commit(seconds)``. After the first queued
-    write the thread lingers up to ``linger_s`` (2 ms) for more before it commits.
+    write the thread lingers ``linger_s`` (2 ms) for more before it commits.
     """
 
     def __init__(
