@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
@@ -61,6 +62,7 @@ PUBLICATION = web.AppKey("publication", WindowPublisher)
 MAP_STOPPING = web.AppKey("map_stopping", asyncio.Event)  # set when the server stops: live map feeds end
 AUTH_USER = web.RequestKey("auth_user", str)
 ABANDON = web.RequestKey("abandon", bool)  # the body will never come: close once answered
+ROUTE = web.RequestKey("route", str)  # the route template of a request served without the router
 
 _STATUS: dict[ReasonCode, int] = {
     ReasonCode.INVALID: 400,
@@ -150,14 +152,31 @@ def request_handler(
     every request counted in ``kcloak_http_requests`` by route pattern, method and status.
 
     It wraps the application's handler on the connection rather than as an aiohttp middleware: a
-    middleware costs every request two more coroutine layers (aiohttp adds one of its own)."""
+    middleware costs every request two more coroutine layers (aiohttp adds one of its own).
+
+    A single fix (``POST /v1/users/{user}/location`` whose path is exactly that, with a user id
+    that needs no decoding, and no ``Expect`` header) goes to its handler without the router: the
+    route, the user and the handler are known from the request line, and the auth check (with
+    tokens) is the one the auth middleware makes. Every other request goes through the
+    application, and both answer and count alike."""
     handle = app._handle
     counter = metrics.http_requests
+    pipeline, config, tokens = app[PIPELINE], app[CONFIG], app.get(TOKENS)
+    fix_path = _FIX_PATH.fullmatch
 
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         status = 500
+        route: str | None = None
         try:
-            resp = await handle(request)  # type: ignore[arg-type]  # the runner's requests are web.Requests
+            found = fix_path(request.raw_path) if request.method == "POST" else None
+            if found is not None and hdrs.EXPECT not in request.headers:
+                route = request[ROUTE] = FIX_ROUTE
+                user = found.group(1)
+                if tokens is not None:
+                    request[AUTH_USER] = _bearer_user(request, tokens, user)
+                resp: web.StreamResponse = await _post_location(request, user, pipeline, config)
+            else:
+                resp = await handle(request)  # type: ignore[arg-type]  # the runner's requests are web.Requests
             status = resp.status
             return resp
         except HttpError as exc:
@@ -187,12 +206,15 @@ def request_handler(
             status = resp.status
             return resp
         finally:
-            counter.labels(_route_template(request), _method_label(request.method), str(status)).inc()
+            counter.labels(route or _route_template(request), _method_label(request.method), str(status)).inc()
 
     return dispatch
 
 
 def _route_template(request: web.BaseRequest) -> str:
+    route = request.get(ROUTE)
+    if isinstance(route, str):
+        return route
     try:
         info = request.match_info if isinstance(request, web.Request) else None
     except AssertionError:  # a request that did not parse has no match (aiohttp asserts there is one)
@@ -212,15 +234,7 @@ async def auth_middleware(
     tokens = request.app.get(TOKENS)
     if tokens is None or not request.path.startswith("/v1/") or request.path in OPEN_PATHS:
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    user = tokens.user_of(token.strip()) if scheme.lower() == "bearer" else None
-    if user is None:
-        raise HttpError(ReasonCode.UNAUTHORIZED, "a valid bearer token is required")
-    request[AUTH_USER] = user
-    path_user = request.match_info.get("user")
-    if path_user is not None and path_user != user:
-        raise HttpError(ReasonCode.FORBIDDEN, "the token does not act for this user")
+    user = request[AUTH_USER] = _bearer_user(request, tokens, request.match_info.get("user"))
     if request.path.startswith("/v1/published/"):
         readers = request.app[CONFIG].auth.published_readers
         if user not in readers:
@@ -230,20 +244,32 @@ async def auth_middleware(
     return await handler(request)
 
 
+def _bearer_user(request: web.BaseRequest, tokens: TokenStore, path_user: str | None) -> str:
+    """The user of the request's bearer token: 401 without a valid one, 403 if the path names
+    another user."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    user = tokens.user_of(token.strip()) if scheme.lower() == "bearer" else None
+    if user is None:
+        raise HttpError(ReasonCode.UNAUTHORIZED, "a valid bearer token is required")
+    if path_user is not None and path_user != user:
+        raise HttpError(ReasonCode.FORBIDDEN, "the token does not act for this user")
+    return user
+
+
 async def _json_body(request: web.Request, limit: int) -> dict[str, Any]:
-    return _parse_body(await _raw_body(request, limit))
+    return _parse_body(await _raw_body(request, limit, request.app[CONFIG].http.body_timeout_s))
 
 
-async def _raw_body(request: web.Request, limit: int) -> bytes:
-    """The body of a JSON request, not yet parsed: 415, 413 and a body not received in time as
-    :func:`_json_body` refuses them."""
+async def _raw_body(request: web.BaseRequest, limit: int, timeout_s: float) -> bytes:
+    """The body of a JSON request, not yet parsed: 415, 413 and a body not received in
+    ``timeout_s`` as :func:`_json_body` refuses them."""
     # The header as clients send it is taken as it is; anything else (parameters, other case) is parsed.
     if request.headers.get("Content-Type") != "application/json" and request.content_type != "application/json":
         raise HttpError(ReasonCode.UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json")
     length = request.content_length
     if length is not None and length > limit:
         raise HttpError(ReasonCode.TOO_LARGE, f"body: at most {limit} bytes")
-    timeout_s = request.app[CONFIG].http.body_timeout_s
     try:
         if length is not None and request.content.is_eof():
             # The whole body came with the head (the parser stops at Content-Length): no wait, no timer.
@@ -257,7 +283,7 @@ async def _raw_body(request: web.Request, limit: int) -> bytes:
     return raw
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
     if request.content_length is not None:
         return await request.read()
     chunks: list[bytes] = []
@@ -289,17 +315,24 @@ def _user(request: web.Request) -> str:
 
 # -- fixes -------------------------------------------------------------------------------------
 ACCEPTED_ONE = json.dumps({"accepted": 1, "rejected": []}).encode()
+FIX_ROUTE = "/v1/users/{user}/location"
+_FIX_PATH = re.compile(r"/v1/users/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/location")
+"""A single fix's request target that :func:`request_handler` serves without the router: a valid
+user id is left as it is by the router's decoding, so the route and ``{user}`` are the router's."""
 
 
 async def post_location(request: web.Request) -> web.Response:
-    user = _user(request)
-    cfg = request.app[CONFIG]
-    raw = await _raw_body(request, cfg.limits.body_bytes)
+    return await _post_location(request, request.match_info["user"], request.app[PIPELINE], request.app[CONFIG])
+
+
+async def _post_location(request: web.BaseRequest, user: str, pipeline: Pipeline, cfg: Config) -> web.Response:
+    if not valid_user_id(user):
+        raise HttpError(ReasonCode.INVALID, USER_ID_RULE, field="user")
+    raw = await _raw_body(request, cfg.limits.body_bytes, cfg.http.body_timeout_s)
     # A well-formed fix is decoded and checked in one pass; anything else takes the full path,
     # which names the reason (a body that is not JSON, or the field and rule a fix breaks).
     fix = decode_fix(raw)
     body = _parse_body(raw) if fix is None else None
-    pipeline = request.app[PIPELINE]
     pipeline.metrics.messages.labels("http", "update").inc()
     if fix is None:
         try:

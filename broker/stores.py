@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import fcntl
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -210,6 +209,9 @@ lower ``SQLITE_LIMIT_VARIABLE_NUMBER``, such as 999 before 3.32, is asked and it
 MAX_STATEMENT_ROWS = 4096
 """Most rows of one multi-row insert (a statement of this size is about 60 KB of SQL text)."""
 
+MAX_BATCHES_PER_COMMIT = 4096
+"""Most writes the writer thread commits in one transaction."""
+
 
 class _Batch:
     __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql")
@@ -235,7 +237,7 @@ class GroupCommitWriter:
     ``await writer.write(rows)`` returns once the rows are committed. The queue is bounded
     (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
     waiting. Timing of each commit is reported to ``on_commit(seconds)``. After the first queued
-    write the thread lingers up to ``linger_s`` (2 ms) for more before it commits.
+    write the thread lingers ``linger_s`` (2 ms) for more before it commits.
     """
 
     def __init__(
@@ -258,7 +260,13 @@ class GroupCommitWriter:
         self._capacity = capacity
         self._pending_rows = 0
         self._count_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[list[_Batch] | None] = queue.SimpleQueue()
+        self._pending: list[_Batch] = []
+        """Writes handed over and not yet taken by the writer thread (under ``_pending_lock``)."""
+        self._pending_lock = threading.Lock()
+        self._idle = False
+        """The writer thread waits on ``_wake`` for the next write (under ``_pending_lock``)."""
+        self._wake = threading.Event()
+        self._stopping = False
         self._turn: dict[asyncio.AbstractEventLoop, list[_Batch]] = {}
         """Per event loop, the writes of its current turn: queued together when the turn ends."""
         self._closed = False
@@ -307,7 +315,13 @@ class GroupCommitWriter:
         if self._closed:  # the thread has stopped: these would wait forever
             _settle_all([(b.future, RuntimeError("the writer is closed")) for b in turn])
             return
-        self._queue.put(turn)
+        # The thread is woken only when it waits for work: while it lingers or commits, the
+        # writes of further turns are only appended (no wake-up, no switch of threads per turn).
+        with self._pending_lock:
+            self._pending += turn
+            wake, self._idle = self._idle, False
+        if wake:
+            self._wake.set()
 
     async def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
         """Run one statement on the writer's connection, in order with the queued writes; returns its
@@ -327,26 +341,25 @@ class GroupCommitWriter:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batches = list(first)
-            stop = False
+            with self._pending_lock:
+                if not self._pending and not self._stopping:
+                    self._idle = True
+                    self._wake.clear()
+            if self._idle:
+                self._wake.wait()
             # Linger briefly for more writers: one transaction (and one wake-up of the event loop)
             # then serves many small writes, at the cost of up to ``linger_s`` of latency.
-            deadline = time.monotonic() + self._linger_s
-            while len(batches) < 4096:
-                try:
-                    remaining = deadline - time.monotonic()
-                    nxt = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batches += nxt
-            self._commit(batches)
-            if stop:
+            with self._pending_lock:
+                stopping = self._stopping
+            if not stopping and self._linger_s > 0:
+                time.sleep(self._linger_s)
+            with self._pending_lock:
+                batches = self._pending[:MAX_BATCHES_PER_COMMIT]
+                del self._pending[:MAX_BATCHES_PER_COMMIT]
+                stopping, more = self._stopping, bool(self._pending)
+            if batches:
+                self._commit(batches)
+            if stopping and not more:
                 return
 
     def _commit(self, batches: list[_Batch]) -> None:
@@ -432,7 +445,9 @@ class GroupCommitWriter:
     def close(self) -> None:
         """Finish every queued write, then stop the thread."""
         self._closed = True
-        self._queue.put(None)
+        with self._pending_lock:
+            self._stopping, self._idle = True, False
+        self._wake.set()
         self._thread.join()
 
 
