@@ -9,8 +9,9 @@ between the intake and the answer. Replies, JSON ``{"s": …}``:
 - ``stored`` — the answer is stored (by this attempt or an earlier one): the router acknowledges the intake message;
 - ``not_owner`` — the receiver holds no live index of the cell (its lease ended): the router sends again.
 
-No reply for :data:`SILENCE_S` (owner dead, no owner subscribed yet, a message lost) and ``not_owner`` make the
-router send the same query again, marked ``"again": true`` so the owner looks for a stored answer first; another
+No subscribed owner (NATS answers the request ``503``, no responders), no reply for :data:`SILENCE_S` (owner dead,
+a message lost) and ``not_owner`` make the router send the same query again (after a pause growing from
+:data:`RESEND_PAUSE_S` to 1 s), marked ``"again": true`` so the owner looks for a stored answer first; another
 owner may take the cell meanwhile. A second computation is safe: the answer's message id (``<token>/<qkey>``)
 keeps the first answer, and the region record is create-only (a retry forwards the recorded region). If the
 router dies, its intake message is redelivered to its successor (after its catch-up), which routes it the
@@ -33,6 +34,9 @@ HEARTBEAT_S = 1.0
 """How often an owner says ``working`` on a query it has not stored yet."""
 SILENCE_S = 3.0
 """How long a router waits for any reply before it sends the routed query again."""
+RESEND_PAUSE_S = 0.25
+"""The first pause before a query is sent again after ``not_owner`` or no responders (then doubled, up to 1 s)."""
+NO_RESPONDERS = b"503"
 GIVE_UP_S = 30.0
 """After this long without a stored answer (a cell whose owner never comes back) the router stores a refusal."""
 PROGRESS_S = 10.0
@@ -96,7 +100,8 @@ class QueryDispatch:
     async def _on_reply(self, msg: Any) -> None:
         waiting = self._waiting.get(msg.subject[len(self._prefix) + 1 :])
         if waiting is not None:
-            waiting.last = bytes(msg.data)
+            status = (msg.headers or {}).get("Status")
+            waiting.last = NO_RESPONDERS if status == "503" else bytes(msg.data)
             waiting.heard.set()
 
     def hold(
@@ -141,6 +146,7 @@ class QueryDispatch:
         started = time.monotonic()
         progress_at = started + PROGRESS_S
         again = False
+        pause = RESEND_PAUSE_S
         try:
             while self.keep_trying():
                 if again:
@@ -178,6 +184,9 @@ class QueryDispatch:
                 if waiting.heard.is_set() and waiting.last == STORED:
                     await self._stored(seq, held)
                     return
+                if waiting.heard.is_set():  # no owner subscribed, or not a live one: give the cell time
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 1.0)
                 again = True
         finally:
             if not held.stored:

@@ -173,6 +173,7 @@ class Router:
         self._cell_cache: dict[tuple[float, float], int] = {}
         # when each cell's owner last answered (monotonic); the worker shares one map among its routers
         self._owner_seen: dict[int, float] = {} if owner_seen is None else owner_seen
+        self._touched: dict[int, float] = {}  # when a held query last republished a fix event to pin an owner
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._profiles_complete = False
         self._kv: Any = None
@@ -641,8 +642,6 @@ class Router:
             return await refuse(ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION])
         if effective.l > 1 and not self.supports_l:
             return await refuse(ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
-        if not await self._owner_answers(st.cell):
-            await self._touch(token, st)
         routed = {
             "user": token,
             "query": obj,
@@ -661,8 +660,10 @@ class Router:
         cell = st.cell
 
         async def owner_check() -> None:
-            self._owner_seen.pop(cell, None)
-            if not await self._owner_answers(cell) and st.cell == cell:
+            if await self._owner_answers(cell) or st.cell != cell:
+                return
+            if time.monotonic() - self._touched.get(cell, -math.inf) >= 1.0:  # one touch a second per cell
+                self._touched[cell] = time.monotonic()
                 await self._touch(token, st)
 
         async def give_up() -> None:
