@@ -56,6 +56,7 @@ class Held:
     reply: str | None
     stored: bool = False
     task: asyncio.Task[None] | None = None
+    progress_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -144,53 +145,69 @@ class QueryDispatch:
         await self._ensure()
         self.counters["routed"] += 1
         started = time.monotonic()
-        progress_at = started + PROGRESS_S
-        again = False
         pause = RESEND_PAUSE_S
+        held.progress_at = started + PROGRESS_S
         try:
             while self.keep_trying():
-                if again:
-                    routed["again"] = True
-                    self.counters["resent"] += 1
-                    if time.monotonic() - started > self.give_up_s:
-                        self.counters["given_up"] = self.counters.get("given_up", 0) + 1
+                if routed.get("again") and time.monotonic() - started > self.give_up_s:
+                    self.counters["given_up"] = self.counters.get("given_up", 0) + 1
+                    try:
                         await give_up()
-                        await self._stored(seq, held)
-                        return
-                    await owner_check()
-                self._next += 1
-                token = str(self._next)
-                waiting = self._waiting[token] = _Waiting()
-                try:
-                    with contextlib.suppress(Exception):  # reconnecting: silence, then again
-                        await self.nc.publish(
-                            cellq_subject(cell),
-                            json.dumps(routed, separators=(",", ":")).encode(),
-                            reply=f"{self._prefix}.{token}",
-                        )
-                    while self.keep_trying():
-                        waiting.heard.clear()
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.silence_s):
-                                await waiting.heard.wait()
-                        if time.monotonic() >= progress_at and held.reply is not None:
-                            progress_at = time.monotonic() + PROGRESS_S
-                            with contextlib.suppress(Exception):
-                                await self.nc.publish(held.reply, b"+WPI")
-                        if not waiting.heard.is_set() or waiting.last != WORKING:
-                            break
-                finally:
-                    self._waiting.pop(token, None)
-                if waiting.heard.is_set() and waiting.last == STORED:
+                    except Exception:  # the answers stream unreachable: keep holding, try again
+                        await asyncio.sleep(pause)
+                        continue
                     await self._stored(seq, held)
                     return
-                if waiting.heard.is_set():  # no owner subscribed, or not a live one: give the cell time
+                last = await self._send(cell, routed, held)
+                if last == STORED:
+                    await self._stored(seq, held)
+                    return
+                if last:  # no owner subscribed, or not a live one: give the cell time
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, 1.0)
-                again = True
+                if not self.keep_trying():
+                    return
+                routed["again"] = True
+                self.counters["resent"] += 1
+                await owner_check()
         finally:
             if not held.stored:
                 self.held.pop(seq, None)  # lease lost: the successor routes it again
+
+    async def _send(self, cell: int, routed: dict[str, Any], held: Held) -> bytes:
+        """Send the routed query once and wait while the owner says ``working``: its final reply (``b""`` after
+        :attr:`silence_s` without any). Sends the held intake message's in-progress acks meanwhile."""
+        self._next += 1
+        token = str(self._next)
+        waiting = self._waiting[token] = _Waiting()
+        try:
+            with contextlib.suppress(Exception):  # reconnecting: silence, then again
+                await self.nc.publish(
+                    cellq_subject(cell),
+                    json.dumps(routed, separators=(",", ":")).encode(),
+                    reply=f"{self._prefix}.{token}",
+                )
+            while self.keep_trying():
+                if waiting.last not in (b"", WORKING):
+                    return waiting.last  # a final reply (it may have come while we sent a progress ack)
+                waiting.heard.clear()
+                try:
+                    async with asyncio.timeout(self.silence_s):
+                        await waiting.heard.wait()
+                except TimeoutError:
+                    return b""
+                finally:
+                    await self._progress(held)
+            return b""
+        finally:
+            self._waiting.pop(token, None)
+
+    async def _progress(self, held: Held) -> None:
+        """An in-progress ack for the held intake message every :data:`PROGRESS_S` (not redelivered meanwhile)."""
+        if time.monotonic() >= held.progress_at and held.reply is not None:
+            held.progress_at = time.monotonic() + PROGRESS_S
+            with contextlib.suppress(Exception):
+                await self.nc.publish(held.reply, b"+WPI")
 
     async def _stored(self, seq: int, held: Held) -> None:
         """The answer is stored: acknowledge the intake message (or, for a catch-up copy, its redelivery)."""
