@@ -1,4 +1,4 @@
-"""The owner of one cell (docs/cluster.md "Workers"): pinned consumers ``cell-<c>`` and ``cellq-<c>``.
+"""The owner of one cell (docs/cluster.md "Workers"): pinned consumer ``cell-<c>`` and the routed queries.
 
 It holds the position index of the cell's users only — rebuilt on pin acquisition from the last event of
 every ``kcloak.cell.<c>.>`` subject, then kept current by the events delivered on ``cell-<c>`` (a fix
@@ -7,7 +7,8 @@ snapshot cloaking mode (:class:`~kcloak.broker.modes.SnapshotCloaking`, micro-ba
 :class:`~kcloak.broker.forwarding.Forwarder` (upstream under a fresh pseudonym, exact filtering). A
 region computed from the cell's own users holds ≥ k of them, so ≥ k of the global population.
 
-The owner pulls ``cellq-<c>`` only while it is pinned on ``cell-<c>``. Each answer is published once to
+The owner takes routed queries (core NATS ``kcloak.cellq.<c>``, queue group ``kcloak``, from the routers:
+:mod:`kcloak.broker.cluster.routed`) only while it is pinned on ``cell-<c>``. Each answer is published once to
 ``KCLOAK_ANSWERS`` with message id ``<token>/<qkey>`` (a recomputation after a failover is dropped by the
 duplicate window), and the region forwarded for a query is recorded first in KV ``kcloak_regions``
 (create-only): a retried query forwards that same region again, never a second, different one.
@@ -29,8 +30,8 @@ from typing import Any
 
 from kcloak.broker.cluster.answers import read_answer, send_stored, store_answer
 from kcloak.broker.cluster.pinned import Delivered, DuplicateSeq, PinnedMember, PubAcks, read_last_per_subject
+from kcloak.broker.cluster.routed import NOT_OWNER, QUEUE_GROUP, STORED, Heartbeat
 from kcloak.broker.cluster.topology import (
-    CELLQ_STREAM,
     CELLS_STREAM,
     REGIONS_BUCKET,
     Layout,
@@ -123,8 +124,9 @@ class CellOwner:
         self._acks = PubAcks(nc)
         self._live = False
         self._cloak_task: asyncio.Task[None] | None = None
-        self._query_task: asyncio.Task[None] | None = None
-        self.query_member: PinnedMember | None = None
+        self._query_sub: Any = None
+        self._answering: dict[tuple[str, str], asyncio.Task[bool]] = {}  # queries in progress here
+        self._tasks: set[asyncio.Task[None]] = set()
         self._applied_sub: Any = None
         self._new_parts()
         self.member = PinnedMember(
@@ -187,18 +189,7 @@ class CellOwner:
             self._apply_one(ev)
         self._live = True
         self._cloak_task = asyncio.create_task(self.cloaking.run())
-        self.query_member = PinnedMember(
-            self.nc,
-            CELLQ_STREAM,
-            f"cellq-{self.cell}",
-            handler=self.answer_batch,
-            lease_s=self.layout.lease_s,
-            expires_s=self.layout.pull_expires_s,
-            catch_up=True,
-            filter_subject=cellq_subject(self.cell),
-            batch=512,
-        )
-        self._query_task = asyncio.create_task(self.query_member.run())
+        self._query_sub = await self.nc.subscribe(cellq_subject(self.cell), queue=QUEUE_GROUP, cb=self._on_query)
         self._applied_sub = await self.nc.subscribe(owner_applied_subject(self.cell), cb=self._on_applied_request)
         log_event(log, "owner_rebuilt", logging.INFO, cell=self.cell, users=len(self.index))
 
@@ -214,19 +205,19 @@ class CellOwner:
             await self.nc.publish(msg.reply, json.dumps({"applied": self.applied_seq}).encode())
 
     async def _stop_queries(self) -> None:
-        sub, self._applied_sub = self._applied_sub, None
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        member, task, cloak = self.query_member, self._query_task, self._cloak_task
-        self.query_member = self._query_task = self._cloak_task = None
-        if member is not None:
-            await member.stop(unpin=True)
-        for t in (task, cloak):
-            if t is not None:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+        subs = (self._applied_sub, self._query_sub)
+        self._applied_sub = self._query_sub = None
+        for sub in subs:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        cloak, self._cloak_task = self._cloak_task, None
+        tasks = [*self._tasks, *self._answering.values(), *([cloak] if cloak is not None else [])]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
 
     async def stop(self) -> None:
         self._live = False
@@ -273,41 +264,64 @@ class CellOwner:
         return self._live and self.applied_seq >= seq
 
     # -- queries -------------------------------------------------------------------------------
-    async def answer_batch(self, batch: list[Delivered]) -> None:
-        member = self.query_member
-        await asyncio.gather(*(self._answer_one(m) for m in batch))
-        if member is not None:
-            for m in batch:
-                await member.ack(m)
-
-    async def _answer_one(self, msg: Delivered) -> None:
+    async def _on_query(self, msg: Any) -> None:
+        """A routed query (core NATS): answered on a task of its own (a subscription's callbacks run one by one)."""
         if not self._live:
+            if msg.reply:
+                await self.nc.publish(msg.reply, NOT_OWNER)
             return
+        task = asyncio.create_task(self._answer_routed(msg.data, msg.reply or None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer_routed(self, data: bytes, reply: str | None) -> None:
+        """Answer one routed query and tell the router (``reply``) once the answer is stored."""
+        try:
+            routed = json.loads(data)
+            token, qkey = str(routed["user"]), subject_token(str(routed["query"]["query_id"]))
+        except (ValueError, KeyError, TypeError):
+            log_event(log, "bad_routed_query", logging.WARNING, cell=self.cell)
+            if reply is not None:
+                await self.nc.publish(reply, STORED)  # nothing will ever be stored for it: stop holding it
+            return
+        async with Heartbeat(self.nc, reply):
+            task = self._answering.get((token, qkey))
+            if task is None:  # else the router sent it again while this owner works on it: one computation
+                task = self._answering[(token, qkey)] = asyncio.create_task(self._answer_one(routed, token, qkey))
+                task.add_done_callback(lambda _: self._answering.pop((token, qkey), None))
+            try:
+                stored = await asyncio.shield(task)
+            except Exception:
+                log_event(log, "routed_query_failed", logging.WARNING, cell=self.cell)
+                stored = False  # e.g. the answers stream unreachable for 30 s: the router sends it again
+        if reply is not None:
+            await self.nc.publish(reply, STORED if stored else NOT_OWNER)
+
+    async def _answer_one(self, routed: dict[str, Any], token: str, qkey: str) -> bool:
+        """Cloak, forward and store the query's answer; True once it is stored (False: lease lost meanwhile)."""
+        if not self._live:
+            return False
         self.counters["queries"] += 1
         try:
-            routed = json.loads(msg.data)
-            token = str(routed["user"])
-            obj = routed["query"]
-            q = parse_query(obj)
+            q = parse_query(routed["query"])
             profile = PrivacyProfile.from_mapping(routed["profile"], self.default_profile)
             transport = routed.get("transport", "mqtt")
             reply = routed.get("reply")
             reply = reply if isinstance(reply, str) and reply else None
         except (ValueError, KeyError, TypeError, InvalidInput):
             log_event(log, "bad_routed_query", logging.WARNING, cell=self.cell)
-            return
-        qkey = subject_token(q.query_id)
-        if msg.redelivered:
+            return True  # nothing to store, ever: the router stops holding it
+        if routed.get("again"):
             stored = await self._answered(token, qkey)
             if stored is not None:  # a first attempt stored its answer before its owner died
                 if reply is not None:
                     await send_stored(self.nc, token, qkey, reply, stored)
-                return
+                return True
         timing = Timing()
         started = time.monotonic()
         answer = await self._cloak_and_forward(token, qkey, q, profile, routed, timing)
         if not self._live:
-            return  # lease lost meanwhile: the successor answers
+            return False  # lease lost meanwhile: the successor answers
         self.metrics.queries.labels(
             transport=transport, kind=q.metric_kind, status=answer.status, reason=answer.reason_label
         ).inc()
@@ -323,6 +337,7 @@ class CellOwner:
             keep_trying=lambda: self._live,
         )
         self.counters["answers"] += 1
+        return True
 
     async def _answered(self, token: str, qkey: str) -> bytes | None:
         """The query's stored answer, if there is one (None also when the stream cannot be read: recompute)."""

@@ -89,7 +89,9 @@ class PinnedMember:
     stream order), ``on_pinned`` / ``on_unpinned`` (pin gained / lost), ``batch`` (most messages per pull and
     buffered), ``expires_s`` (a pull's lifetime), ``lease_s`` (see the module), ``start_delay_s`` (the first
     pull waits this long: backups let the preferred member take the pin first), ``catch_up``, ``filter_subject``
-    (needed with ``catch_up``). :meth:`run` until :meth:`stop`.
+    (needed with ``catch_up``), ``hold_redelivery`` (given the redelivery of a message the catch-up handed over:
+    True when the handler took it to acknowledge later, e.g. a query held until its answer is stored; else it is
+    acknowledged at once). :meth:`run` until :meth:`stop`.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class PinnedMember:
         start_delay_s: float = 0.0,
         catch_up: bool = False,
         filter_subject: str | None = None,
+        hold_redelivery: Callable[[Delivered], bool] | None = None,
     ) -> None:
         if catch_up and filter_subject is None:
             raise ValueError("catch_up needs filter_subject")
@@ -122,6 +125,7 @@ class PinnedMember:
         self.start_delay_s = start_delay_s
         self.catch_up = catch_up
         self.filter_subject = filter_subject
+        self.hold_redelivery = hold_redelivery
         self.pin_id: str | None = None
         self.pinned = False  # on_pinned has run for the current pin (and on_unpinned not since)
         self.counters = {"delivered": 0, "pins": 0, "unpins": 0, "status_423": 0, "catch_up": 0, "skipped": 0}
@@ -303,7 +307,8 @@ class PinnedMember:
             if it.seq in self._caught_up:
                 self._caught_up.discard(it.seq)
                 self.counters["skipped"] += 1
-                await self.ack(it)
+                if self.hold_redelivery is None or not self.hold_redelivery(it):
+                    await self.ack(it)
                 continue
             batch.append(it)
         if batch:

@@ -41,17 +41,15 @@ import numpy as np
 from kcloak.broker.cluster.answers import store_answer
 from kcloak.broker.cluster.moves import moves_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
+from kcloak.broker.cluster.routed import QueryDispatch
 from kcloak.broker.cluster.topology import (
-    CELLQ_STREAM,
     CELLS_STREAM,
     IN_STREAM,
     MOVES_STREAM,
     PROFILES_BUCKET,
     Layout,
-    answer_msg_id,
     api_request,
     cell_subject,
-    cellq_subject,
     in_filter,
     moves_subject,
     owner_applied_subject,
@@ -175,6 +173,7 @@ class Router:
         self._cell_cache: dict[tuple[float, float], int] = {}
         # when each cell's owner last answered (monotonic); the worker shares one map among its routers
         self._owner_seen: dict[int, float] = {} if owner_seen is None else owner_seen
+        self._touched: dict[int, float] = {}  # when a held query last republished a fix event to pin an owner
         self._profiles: dict[str, PrivacyProfile | None] = {}
         self._profiles_complete = False
         self._kv: Any = None
@@ -185,6 +184,7 @@ class Router:
         self._query_buckets = TokenBuckets(limits.query_rate, limits.query_burst)
         self._profile_buckets = TokenBuckets(limits.profile_rate, limits.profile_burst)
         self.counters = {"fixes": 0, "rejected": 0, "moves": 0, "queries": 0, "redelivered": 0, "rebuilds": 0}
+        self.queries = QueryDispatch(nc, keep_trying=lambda: self.member.pinned)
         self.member = PinnedMember(
             nc,
             IN_STREAM,
@@ -197,6 +197,7 @@ class Router:
             start_delay_s=start_delay_s,
             catch_up=True,
             filter_subject=in_filter(partition),
+            hold_redelivery=lambda msg: self.queries.redelivered(msg.seq, msg.reply),
         )
 
     # -- pin -----------------------------------------------------------------------------------
@@ -242,6 +243,7 @@ class Router:
         return out
 
     async def drop(self) -> None:
+        await self.queries.drop()
         self.users = {}
         self._profiles = {}
         self._profiles_complete = False
@@ -266,11 +268,14 @@ class Router:
                 codes = await self._fixes(msg, parsed.get(msg.seq, []), transport, pending)
                 decided.append((msg, {"kind": "fixes", "codes": [c.value if c else None for c in codes]}))
                 continue
+            if kind == "query" and msg.seq in self.queries.held:
+                self.queries.redelivered(msg.seq, msg.reply)  # in flight here: acknowledged once answered
+                continue
             await self._settle(pending, decided)
             if kind == "profile":
                 await self._profile(msg, token, transport)
-            elif kind == "query":
-                await self._query(msg, token, transport)
+            elif kind == "query" and await self._query(msg, token, transport):
+                continue  # held until its answer is stored
             await self.member.ack(msg)
         await self._settle(pending, decided)
         if self._acks.retries:
@@ -586,16 +591,18 @@ class Router:
             keep_trying=lambda: self.member.pinned,
         )
 
-    async def _query(self, msg: Delivered, token: str, transport: str) -> None:
+    async def _query(self, msg: Delivered, token: str, transport: str) -> bool:
+        """Decide or route one query; True when it was routed (its intake message is held until the answer is
+        stored, :mod:`kcloak.broker.cluster.routed`), False when it is answered (a refusal stored) or unreadable."""
         self.counters["queries"] += 1
         now = self.clock()
         try:
             obj = parse_json_object(msg.data)
         except InvalidInput:
-            return  # the gateway parsed it: never here
+            return False  # the gateway parsed it: never here
         qid = obj.get("query_id")
         if not isinstance(qid, str):
-            return
+            return False
         reply = msg.headers.get(REPLY_HEADER) or None  # the waiting gateway's inbox: where the answer goes
         try:
             q = parse_query(obj)
@@ -604,11 +611,12 @@ class Router:
             label = kind if kind in ("range", "knn") else "unknown"
             refusal = Answer.refused(qid, ReasonCode.INVALID, str(exc), now)
             await self._answer(token, qid, refusal, transport, label, reply)
-            return
+            return False
         label = q.metric_kind
 
-        async def refuse(code: ReasonCode, message: str) -> None:
+        async def refuse(code: ReasonCode, message: str) -> bool:
             await self._answer(token, qid, Answer.refused(qid, code, message, self.clock()), transport, label, reply)
+            return False
 
         if not self._query_buckets.take(token):
             return await refuse(ReasonCode.RATE_LIMITED, "query rate limit reached")
@@ -634,8 +642,6 @@ class Router:
             return await refuse(ReasonCode.STALE_POSITION, REFUSAL_MESSAGES[ReasonCode.STALE_POSITION])
         if effective.l > 1 and not self.supports_l:
             return await refuse(ReasonCode.UNSUPPORTED, "l > 1 needs the privacygrid algorithm")
-        if not await self._owner_answers(st.cell):
-            await self._touch(token, st)
         routed = {
             "user": token,
             "query": obj,
@@ -649,12 +655,22 @@ class Router:
         }
         if reply is not None:
             routed["reply"] = reply
-        await self._publish(
-            cellq_subject(st.cell),
-            json.dumps(routed, separators=(",", ":")).encode(),
-            CELLQ_STREAM,
-            answer_msg_id(token, subject_token(qid)),
-        )
+        if msg.redelivered:
+            routed["again"] = True  # an earlier router may have had it answered: the owner looks first
+        cell = st.cell
+
+        async def owner_check() -> None:
+            if await self._owner_answers(cell) or st.cell != cell:
+                return
+            if time.monotonic() - self._touched.get(cell, -math.inf) >= 1.0:  # one touch a second per cell
+                self._touched[cell] = time.monotonic()
+                await self._touch(token, st)
+
+        async def give_up() -> None:
+            await refuse(ReasonCode.OVERLOADED, "no owner of the querier's cell answered")
+
+        self.queries.hold(msg.seq, msg.reply, cell, routed, owner_check=owner_check, give_up=give_up)
+        return True
 
     async def _owner_answers(self, cell: int) -> bool:
         """Whether cell ``cell`` has a live owner (asked at most once a second per cell)."""

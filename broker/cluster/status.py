@@ -12,7 +12,6 @@ from typing import Any
 
 from kcloak.broker.cluster.topology import (
     ANSWERS_STREAM,
-    CELLQ_STREAM,
     CELLS_STREAM,
     IN_STREAM,
     MOVES_STREAM,
@@ -24,8 +23,8 @@ from kcloak.broker.cluster.topology import (
 )
 from kcloak.broker.publication import Window
 
-STREAMS = (IN_STREAM, CELLS_STREAM, CELLQ_STREAM, ANSWERS_STREAM, MOVES_STREAM, PUBLISHED_STREAM)
-CONSUMER_NAME = re.compile(r"^(in|cell|cellq)-([0-9]+)\Z")
+STREAMS = (IN_STREAM, CELLS_STREAM, ANSWERS_STREAM, MOVES_STREAM, PUBLISHED_STREAM)
+CONSUMER_NAME = re.compile(r"^(in|cell)-([0-9]+)\Z")
 
 
 def _pinned(info: dict[str, Any]) -> str | None:
@@ -64,9 +63,9 @@ async def stream_rows(nc: Any, *, timeout: float = 5.0) -> list[dict[str, Any]]:
 
 
 async def consumer_rows(nc: Any, *, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """One row per pinned consumer (``in-<p>``, ``cell-<c>``, ``cellq-<c>``): pending, unacknowledged, pinned client."""
+    """One row per pinned consumer (``in-<p>``, ``cell-<c>``): pending, unacknowledged, pinned client."""
     rows: list[dict[str, Any]] = []
-    for stream in (IN_STREAM, CELLS_STREAM, CELLQ_STREAM):
+    for stream in (IN_STREAM, CELLS_STREAM):
         offset = 0
         while True:
             try:
@@ -92,7 +91,7 @@ async def consumer_rows(nc: Any, *, timeout: float = 5.0) -> list[dict[str, Any]
             offset += len(consumers)
             if not consumers or offset >= int(page.get("total", 0)):
                 break
-    order = {"partition": 0, "cell": 1, "cellq": 2}
+    order = {"partition": 0, "cell": 1}
     rows.sort(key=lambda r: (order[str(r["kind"])], int(r["index"])))
     return rows
 

@@ -11,7 +11,9 @@ Everything a gateway, a worker and an operator must agree on lives here, so they
   a user **in cell** ``c`` (a fix, or a ``leave`` once he moved away). Cell ``c``'s owner rebuilds its
   index from the last message of every ``kcloak.cell.<c>.>`` subject; partition ``p``'s router rebuilds
   each user's current cell and latest fix from ``kcloak.cell.*.<p>.>``.
-- ``kcloak.cellq.<c>`` — stream ``KCLOAK_CELLQ`` (work queue): queries routed to cell ``c``'s owner.
+- ``kcloak.cellq.<c>`` — core NATS (queue group ``kcloak``): queries routed to cell ``c``'s owner, requests
+  whose intake message the router holds until the owner replies that the answer is stored
+  (:mod:`~kcloak.broker.cluster.routed`).
 - ``kcloak.ans.<token>.<qkey>`` — stream ``KCLOAK_ANSWERS`` (one message per subject, duplicate window):
   the one answer of a query, message id ``<token>/<qkey>`` so a recomputed answer is dropped; the
   stream republishes each *stored* answer on ``kcloak.out.ans.<token>.<qkey>`` for the gateways.
@@ -44,7 +46,6 @@ from kcloak.core.extras import CLUSTER, require
 
 IN_STREAM = "KCLOAK_IN"
 CELLS_STREAM = "KCLOAK_CELLS"
-CELLQ_STREAM = "KCLOAK_CELLQ"
 ANSWERS_STREAM = "KCLOAK_ANSWERS"
 MOVES_STREAM = "KCLOAK_MOVES"
 PROFILES_BUCKET = "kcloak_profiles"
@@ -189,7 +190,7 @@ class Layout:
         return min(1.0, self.pinned_timeout_s / 4)
 
     def stream_configs(self) -> list[dict[str, Any]]:
-        """The five streams as JetStream API configs (durations in nanoseconds)."""
+        """The four streams as JetStream API configs (durations in nanoseconds)."""
         ns = 1_000_000_000
         base = {"storage": "file", "num_replicas": self.replicas, "discard": "old"}
         return [
@@ -209,14 +210,6 @@ class Layout:
                 "max_msgs_per_subject": 1,
                 "max_age": int(self.position_ttl_s * ns),
                 "duplicate_window": int(min(self.dedup_window_s, self.position_ttl_s) * ns),
-            },
-            {
-                **base,
-                "name": CELLQ_STREAM,
-                "subjects": ["kcloak.cellq.*"],
-                "retention": "workqueue",
-                "duplicate_window": int(self.dedup_window_s * ns),
-                "max_age": int(self.dedup_window_s * ns),
             },
             {
                 **base,
@@ -276,7 +269,6 @@ class Layout:
             out.append((IN_STREAM, self.pinned_consumer_config(f"in-{p}", in_filter(p))))
         for c in range(self.cells):
             out.append((CELLS_STREAM, self.pinned_consumer_config(f"cell-{c}", cell_filter(c))))
-            out.append((CELLQ_STREAM, self.pinned_consumer_config(f"cellq-{c}", cellq_subject(c))))
         return out
 
 

@@ -312,7 +312,7 @@ class LocalCluster:
         except Exception as exc:  # a node down, a leader election: shown, never fatal
             return [["cluster", "unreachable", type(exc).__name__]]
         rows = [["stream", r["stream"], str(r.get("messages", r.get("state")))] for r in status["streams"]]
-        for kind in ("partition", "cell", "cellq"):
+        for kind in ("partition", "cell"):
             group = [r for r in status["consumers"] if r["kind"] == kind]
             if group:
                 pinned = sum(1 for r in group if r["pinned"])

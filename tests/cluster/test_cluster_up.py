@@ -77,14 +77,13 @@ def test_cluster_up_without_workers_then_ctrl_c_stops_everything(tmp_path: Path)
         assert set(streams) == {
             "KCLOAK_IN",
             "KCLOAK_CELLS",
-            "KCLOAK_CELLQ",
             "KCLOAK_ANSWERS",
             "KCLOAK_MOVES",
             "KCLOAK_PUBLISHED",
         }
         assert all(r["state"] == "ok" and r["replicas"] == 3 for r in streams.values())
         names = [r["consumer"] for r in doc["consumers"]]
-        assert names == ["in-0", "in-1", "in-2", "in-3", "cell-0", "cellq-0"]
+        assert names == ["in-0", "in-1", "in-2", "in-3", "cell-0"]
         assert all(r["pinned"] is None and r["pending"] == 0 for r in doc["consumers"])  # no worker yet
         plain = kcloak("cluster", "status", "--nats", state["nats"][1])
         assert plain.returncode == 0 and "# pinned consumers" in plain.stdout and "in-3 0 0 -" in plain.stdout
