@@ -579,6 +579,25 @@ def _cpu(pids: list[int]) -> float:
     return sum(cpu_s(pid) for pid in pids)
 
 
+def _decided(dep: Deployment, fixes: int, deadline: float) -> tuple[float, float, list[str]]:
+    """Wait until the gateways' accepted + rejected fix counters reach ``fixes`` (or ``deadline``); the two sums and
+    the metric pages."""
+    while True:
+        texts = dep.metrics()
+        accepted = sum(counter_sum(t, "kcloak_updates_accepted_total") for t in texts)
+        rejected = sum(counter_sum(t, "kcloak_updates_rejected_total") for t in texts)
+        if accepted + rejected >= fixes or time.monotonic() > deadline:
+            return accepted, rejected, texts
+        time.sleep(0.5)
+
+
+def _rejected_by(texts: list[str]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for t in texts:
+        out.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
+    return out
+
+
 def _drive(
     args: argparse.Namespace, load: Load, dep: Deployment, population: Population, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -587,21 +606,35 @@ def _drive(
     kc, nats_pids, lbs = dep.pids("worker"), dep.pids("nats"), dep.pids("lbs")
     w = len(kc)
     time.sleep(2.0)  # the workers' first pulls (rendezvous spread up to 2 s)
-    k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-    time.sleep(3.0)
-    idle_s = time.monotonic() - t0
-    idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
-
-    # fixes: rounds of one fix per user (the last round's users first), PUBACKs, then the routers' verdicts
     users = len(population.last_t)
     sender: FixSender | ProcessFixSender = (
         ProcessFixSender(dep.gateways, f"w{w}") if load.sender_processes else FixSender(dep.gateways, f"w{w}")
     )
-    sent = pubacked = crossed = followed = 0
-    payloads_sent: list[bytes] = []
-    counts0 = asyncio.run(dep.nats_counts())
-    k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     try:
+        # Warm-up, not measured: one fix of every user, so that every consumer has its pin and every router and
+        # owner has rebuilt (a first pin reads the stream) before the clock starts, and the idle rate below is
+        # that of pinned members and their backups.
+        warm = population.fixes(5.0)
+        for i in range(users):
+            sender.send(i, warm[i])
+        sender.wait_pubacks()
+        warm_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        accepted0, rejected0, texts = _decided(dep, users, warm_deadline)
+        while not asyncio.run(dep.cells_applied()) and time.monotonic() < warm_deadline:
+            time.sleep(0.5)
+        log(f"W={w}: warm-up, {users} fixes (one per user) decided")
+        time.sleep(1.0)
+        k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+        time.sleep(3.0)
+        idle_s = time.monotonic() - t0
+        idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
+        rejected_before = _rejected_by(texts)
+
+        # fixes: rounds of one fix per user, PUBACKs, then the routers' verdicts and the owners' work
+        sent = pubacked = crossed = followed = 0
+        payloads_sent: list[bytes] = []
+        counts0 = asyncio.run(dep.nats_counts())
+        k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
         rnd = 0
         while sent < load.fixes:
             payloads = population.fixes(5.0)
@@ -619,21 +652,14 @@ def _drive(
     finally:
         sender.close()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while True:
-        texts = dep.metrics()
-        accepted = sum(counter_sum(t, "kcloak_updates_accepted_total") for t in texts)
-        rejected = sum(counter_sum(t, "kcloak_updates_rejected_total") for t in texts)
-        if accepted + rejected >= sent or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    accepted, rejected, texts = _decided(dep, int(accepted0 + rejected0) + sent, deadline)
+    accepted, rejected = accepted - accepted0, rejected - rejected0  # less the warm-up's fixes
     while not asyncio.run(dep.cells_applied()) and time.monotonic() < deadline:
         time.sleep(0.5)  # the owners apply the routers' cell events: part of a fix's cost, not a query's
     k2, n2, t2 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     fix_s = t2 - t1
     counts1 = asyncio.run(dep.nats_counts())
-    rejected_by: Counter[str] = Counter()
-    for t in texts:
-        rejected_by.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
+    rejected_by = _rejected_by(texts) - rejected_before
     log(f"W={w}: {int(accepted)} fixes accepted, {int(rejected)} rejected in {fix_s:.1f} s")
 
     # queries: HTTP knn, each through its user's gateway, --query-threads in flight
