@@ -6,8 +6,9 @@ worker). The load enters as apps send it: MQTT QoS 1 fixes (paho, one connection
 always on the same gateway) and HTTP one-shot ``knn`` queries spread over the gateways. Users move as a
 Beijing street-simulator population over cells cut by ``kcloak cells --from-simulator``.
 
-Measured: utime+stime (``/proc/<pid>/stat``) of the W kcloak processes summed and of the 3 NATS nodes
-summed, per accepted fix and per answered query; the load generator (this process) and the LBS are not
+Measured, after a warm-up round (one fix per user, not counted: every consumer pinned, every rebuild done): utime+stime
+(``/proc/<pid>/stat``) of the W kcloak processes summed and of the 3 NATS nodes summed, per accepted fix and per
+answered query; the load generator (this process) and the LBS are not
 counted as kcloak's. The coordination overhead is the growth of kcloak's CPU per message from the
 smallest to the largest W. The extrapolation multiplies rates by CPU per message, by the skew of the
 busiest cell (measured on another street-simulator sample, later in its day, than the one the cells
