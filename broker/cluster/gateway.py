@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 
 from kcloak.broker.admission import Admission, Duplicate, QueryRejected
 from kcloak.broker.cluster.answers import read_answer
+from kcloak.broker.cluster.codec import encode
 from kcloak.broker.cluster.topology import (
     PROFILES_BUCKET,
     Layout,
@@ -387,7 +388,7 @@ class ClusterPipeline:
         loop = asyncio.get_running_loop()
         mine = _Tail(loop.create_future())
         await self._after_previous(user, mine, key)
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = encode(body)
         entry = _Queued(user, token, kind, data, fixes, mine, loop.create_future() if want_codes else None)
         mine.queue = key
         self._queues.setdefault(key, deque()).append(entry)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kcloak.broker.cluster.codec import encode
 from kcloak.broker.cluster.coordinator import WindowBusy, WindowCoordinator, WindowOutcome
 from kcloak.broker.cluster.pinned import read_to_end
 from kcloak.broker.cluster.topology import MOVES_STREAM, Layout, ensure_publication_layout, moves_filter
@@ -56,7 +57,7 @@ CLOCK_MARGIN_S = 60.0
 
 def moves_body(moves: list[tuple[str, float, float, float]]) -> bytes:
     """The ``KCLOAK_MOVES`` message of accepted fixes ``(user token, t, lat, lon)``."""
-    return json.dumps({"m": moves}, separators=(",", ":")).encode()
+    return encode({"m": moves})
 
 
 def moves_of(data: bytes) -> list[tuple[str, float, float, float]]:

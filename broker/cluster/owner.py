@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kcloak.broker.cluster.answers import read_answer, send_stored, store_answer
+from kcloak.broker.cluster.codec import decode
 from kcloak.broker.cluster.pinned import Delivered, DuplicateSeq, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.routed import NOT_OWNER, QUEUE_GROUP, STORED, Heartbeat
 from kcloak.broker.cluster.topology import (
@@ -41,6 +42,7 @@ from kcloak.broker.cluster.topology import (
     split_subject,
     subject_token,
 )
+from kcloak.broker.cluster.workermetrics import worker_metrics
 from kcloak.broker.config import Config
 from kcloak.broker.forwarding import Background, Forwarder, Timing
 from kcloak.broker.metrics import Metrics
@@ -112,6 +114,7 @@ class CellOwner:
         self.layout = layout
         self.config = config
         self.metrics = metrics
+        self.worker_metrics = worker_metrics(metrics)
         self.cell = cell
         self.algorithm = config.cloaking.algorithm
         self.default_profile = config.profile.to_profile()
@@ -230,7 +233,7 @@ class CellOwner:
             return  # older than what the rebuild (or an earlier event) gave this subject
         try:
             _, _, token = split_subject(ev.subject, "kcloak.cell", 3)
-            body = json.loads(ev.data)
+            body = decode(ev.data)
             if body.get("e") == "fix":
                 self.index.update(token, float(body["lat"]), float(body["lon"]), float(body["t"]))
                 k = body.get("k")
@@ -322,9 +325,9 @@ class CellOwner:
         answer = await self._cloak_and_forward(token, qkey, q, profile, routed, timing)
         if not self._live:
             return False  # lease lost meanwhile: the successor answers
-        self.metrics.queries.labels(
+        self.worker_metrics.queries.labels(
             transport=transport, kind=q.metric_kind, status=answer.status, reason=answer.reason_label
-        ).inc()
+        ).inc()  # the gateway counts kcloak_queries_total for the answer it returns
         added = time.monotonic() - started - timing.upstream
         self.metrics.added_latency.labels(transport=transport).observe(max(added, 0.0))
         await store_answer(

@@ -20,6 +20,12 @@ its pulls (no message, no expiry) for ``lease_s`` seconds gives up its pin at on
 holder, and a live holder pulls again as soon as a pull is answered, so the holder lets go about
 ``priority_timeout / 2`` before anyone else can be pinned.
 
+**Backups.** A member that holds no pin only waits to be pinned: it pulls with a longer expiry
+(``backup_expires_s``, by default the consumer's ``priority_timeout``) than a pinned one. Failover is as fast:
+the server pins a *waiting* pull when the holder has not pulled for ``priority_timeout``, and a backup always
+has one waiting; the idle pulls of the W − 1 backups of every consumer, which grow with the number of workers,
+come several times less often.
+
 **Catch-up.** A member that dies leaves the messages it had pulled and not acknowledged pending on the
 consumer until ``ack_wait`` passes; the next pinned member would see later messages first. With
 ``catch_up=True`` (work-queue streams) a member that has just been pinned reads the messages still in
@@ -87,7 +93,8 @@ class PinnedMember:
 
     Keyword arguments: ``nc`` (a connected nats-py client), ``handler`` (awaited with each micro-batch, in
     stream order), ``on_pinned`` / ``on_unpinned`` (pin gained / lost), ``batch`` (most messages per pull and
-    buffered), ``expires_s`` (a pull's lifetime), ``lease_s`` (see the module), ``start_delay_s`` (the first
+    buffered), ``expires_s`` (a pull's lifetime while pinned), ``backup_expires_s`` (while not pinned; default
+    ``2 × lease_s``, the consumer's ``priority_timeout``), ``lease_s`` (see the module), ``start_delay_s`` (the first
     pull waits this long: backups let the preferred member take the pin first), ``catch_up``, ``filter_subject``
     (needed with ``catch_up``), ``hold_redelivery`` (given the redelivery of a message the catch-up handed over:
     True when the handler took it to acknowledge later, e.g. a query held until its answer is stored; else it is
@@ -110,6 +117,7 @@ class PinnedMember:
         catch_up: bool = False,
         filter_subject: str | None = None,
         hold_redelivery: Callable[[Delivered], bool] | None = None,
+        backup_expires_s: float | None = None,
     ) -> None:
         if catch_up and filter_subject is None:
             raise ValueError("catch_up needs filter_subject")
@@ -121,6 +129,7 @@ class PinnedMember:
         self.on_unpinned = on_unpinned
         self.batch = batch
         self.expires_s = expires_s
+        self.backup_expires_s = max(expires_s, 2 * lease_s if backup_expires_s is None else backup_expires_s)
         self.lease_s = lease_s
         self.start_delay_s = start_delay_s
         self.catch_up = catch_up
@@ -207,9 +216,10 @@ class PinnedMember:
                     await self._room.wait()
         self._request += 1
         batch = max(1, self.batch - self._buffered)
+        expires_s = self.expires_s if self.pin_id is not None else self.backup_expires_s
         body: dict[str, Any] = {
             "batch": batch,
-            "expires": int(self.expires_s * NS),
+            "expires": int(expires_s * NS),
             "group": PRIORITY_GROUP,
         }
         if self.pin_id is not None:
@@ -226,7 +236,7 @@ class PinnedMember:
             await asyncio.sleep(0.2)  # reconnecting; the lease check runs meanwhile
             return
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.expires_s + 1.0):
+            async with asyncio.timeout(expires_s + 1.0):
                 await self._pull_done.wait()
 
     async def _on_msg(self, msg: Any) -> None:
@@ -256,6 +266,9 @@ class PinnedMember:
             if delivered == 1:
                 self._fresh_from = {pin: seq}
             self._queue.put_nowait(pin)  # marker: on_pinned before the messages that follow
+            # Pull again at once, with the pin id and a pinned member's short expiry: the lease counts on answered
+            # pulls, and this one may be a backup's long pull (what it still delivers comes to the inbox as well).
+            self._pull_done.set()
         self._last_ok = time.monotonic()
         self._buffered += 1
         if delivered > 1:

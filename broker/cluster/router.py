@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from kcloak.broker.cluster.answers import store_answer
+from kcloak.broker.cluster.codec import decode, decode_batch, encode
 from kcloak.broker.cluster.moves import moves_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.routed import QueryDispatch
@@ -59,6 +60,7 @@ from kcloak.broker.cluster.topology import (
     status_out_subject,
     subject_token,
 )
+from kcloak.broker.cluster.workermetrics import worker_metrics
 from kcloak.broker.config import Config
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.modes import build_cloaker
@@ -68,7 +70,15 @@ from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, CloakMode
 from kcloak.core.logs import log_event
 from kcloak.core.profile import PrivacyProfile, ProfileError, ReasonCode
 from kcloak.wire.answers import Answer
-from kcloak.wire.payloads import Fix, InvalidInput, parse_fix, parse_json_object, parse_query, valid_user_id
+from kcloak.wire.payloads import (
+    Fix,
+    InvalidInput,
+    decode_fix,
+    parse_fix,
+    parse_json_object,
+    parse_query,
+    valid_user_id,
+)
 
 log = logging.getLogger("kcloak.cluster")
 
@@ -133,6 +143,29 @@ def _message_fixes(part: Any) -> list[tuple[str, Any] | ReasonCode]:
     return items
 
 
+def _decoded_fixes(kind: str, token: str, data: bytes) -> list[tuple[str, Fix]] | None:
+    """The fixes of an intake message whose every fix msgspec decodes and checks in one pass (a single
+    ``update``, or a gateway ``batch`` of ``update`` messages): ``(user token, Fix)`` in order. None for
+    anything else (an ``updates`` message, a fix msgspec refuses, an unreadable envelope): the full path
+    (:func:`~kcloak.wire.payloads.parse_json_object`, :func:`_message_fixes`, ``parse_fix``) then decides, with
+    the same outcome for every message this accepts."""
+    if kind == "update":
+        fix = decode_fix(data)
+        return None if fix is None else [(token, fix)]
+    if kind != "batch":
+        return None
+    envelope = decode_batch(data)
+    if envelope is None:
+        return None
+    out: list[tuple[str, Fix]] = []
+    for part in envelope.batch:
+        fix = decode_fix(part.body) if part.kind == "update" else None
+        if fix is None:
+            return None
+        out.append((part.user, fix))
+    return out
+
+
 def cluster_refusal(config: Config) -> str | None:
     """Why the configured algorithm cannot serve in a cluster (None: it can: a snapshot cloaker)."""
     cloaker = build_cloaker(config.cloaking.algorithm, cloaking=config.cloaking)
@@ -163,6 +196,7 @@ class Router:
         self.cells = cells
         self.config = config
         self.metrics = metrics
+        self.worker_metrics = worker_metrics(metrics)
         self.partition = partition
         self.clock = clock
         self.default_profile = config.profile.to_profile()
@@ -213,7 +247,7 @@ class Router:
         for ev in events:
             try:
                 cell_s, _, token = split_subject(ev.subject, "kcloak.cell", 3)
-                body = json.loads(ev.data)
+                body = decode(ev.data)
             except ValueError:
                 continue
             st = self.users.setdefault(token, UserState())
@@ -295,6 +329,13 @@ class Router:
             except ValueError:
                 continue
             if kind not in FIX_KINDS:
+                continue
+            fast = _decoded_fixes(kind, token, msg.data)
+            if fast is not None:
+                out[msg.seq] = list[tuple[str, Any] | ReasonCode](fast)
+                for _, fix in fast:
+                    lats.append(fix.lat)
+                    lons.append(fix.lon)
                 continue
             try:
                 obj = parse_json_object(msg.data)
@@ -398,7 +439,7 @@ class Router:
         st.t, st.lat, st.lon, st.cell, st.in_seq, st.in_item = fix.t, fix.lat, fix.lon, cell, in_seq, item
         body = self._fix_event(st, profile)
         subject = cell_subject(cell, self.partition, token)
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = encode(body)
         msg_id = f"in/{in_seq}/{item}"
         fut = await self._acks.send(subject, data, stream=CELLS_STREAM, msg_id=msg_id)
         pending.append((fut, subject, data, CELLS_STREAM, msg_id, st, cell))
@@ -418,12 +459,7 @@ class Router:
         return body
 
     async def _publish_fix(self, token: str, st: UserState, cell: int, body: dict[str, Any], msg_id: str) -> None:
-        ack = await self._publish(
-            cell_subject(cell, self.partition, token),
-            json.dumps(body, separators=(",", ":")).encode(),
-            CELLS_STREAM,
-            msg_id,
-        )
+        ack = await self._publish(cell_subject(cell, self.partition, token), encode(body), CELLS_STREAM, msg_id)
         if st.cell == cell:
             st.fix_seq = max(st.fix_seq, ack)
 
@@ -434,10 +470,13 @@ class Router:
         )
 
     def _check(self, token: str, raw: Any, st: UserState | None) -> Fix | ReasonCode:
-        try:
-            fix, _ = parse_fix(raw)
-        except InvalidInput:
-            return ReasonCode.INVALID
+        if isinstance(raw, Fix):
+            fix = raw  # decoded and checked by msgspec (_decoded_fixes)
+        else:
+            try:
+                fix, _ = parse_fix(raw)
+            except InvalidInput:
+                return ReasonCode.INVALID
         now = self.clock()
         cfg = self.config.cloaking
         if fix.t > now + cfg.max_clock_skew_s:
@@ -462,7 +501,7 @@ class Router:
         body = {"e": "leave", **st.event_base()}
         ack = await self._publish(
             cell_subject(old, self.partition, token),
-            json.dumps(body, separators=(",", ":")).encode(),
+            encode(body),
             CELLS_STREAM,
             f"leave/{st.in_seq}/{st.in_item}/{old}",
         )
@@ -578,9 +617,9 @@ class Router:
     # -- queries -------------------------------------------------------------------------------
     async def _answer(self, token: str, qid: str, answer: Answer, transport: str, kind: str, reply: str | None) -> None:
         """Store a refusal decided here as the query's one answer (and send the stored one to ``reply``)."""
-        self.metrics.queries.labels(
+        self.worker_metrics.queries.labels(
             transport=transport, kind=kind, status=answer.status, reason=answer.reason_label
-        ).inc()
+        ).inc()  # the gateway counts kcloak_queries_total for the answer it returns
         await store_answer(
             self._acks,
             self.nc,

@@ -6,8 +6,9 @@ worker). The load enters as apps send it: MQTT QoS 1 fixes (paho, one connection
 always on the same gateway) and HTTP one-shot ``knn`` queries spread over the gateways. Users move as a
 Beijing street-simulator population over cells cut by ``kcloak cells --from-simulator``.
 
-Measured: utime+stime (``/proc/<pid>/stat``) of the W kcloak processes summed and of the 3 NATS nodes
-summed, per accepted fix and per answered query; the load generator (this process) and the LBS are not
+Measured, after a warm-up round (one fix per user, not counted: every consumer pinned, every rebuild done): utime+stime
+(``/proc/<pid>/stat``) of the W kcloak processes summed and of the 3 NATS nodes summed, per accepted fix and per
+answered query; the load generator (this process) and the LBS are not
 counted as kcloak's. The coordination overhead is the growth of kcloak's CPU per message from the
 smallest to the largest W. The extrapolation multiplies rates by CPU per message, by the skew of the
 busiest cell (measured on another street-simulator sample, later in its day, than the one the cells
@@ -16,6 +17,11 @@ were cut from) and divides by the target utilisation.
 Beside kcloak's figures, in the same run and on the same NATS cluster: NATS's own cost per fix (the same fix
 payloads published raw into a fresh R1 and R3 stream, server CPU per message) and the NATS messages each fix
 cost on kcloak's path (streams' sequences, consumers' deliveries, the servers' ``in_msgs``).
+
+``--scale strong`` (default) sends the same total load at every W from this one process, so the load per worker
+shrinks as W grows; ``--scale weak`` sends W times the per-worker load (``--users``, ``--fixes``, ``--queries``,
+``--query-threads``), the fixes from W load processes (one per gateway), so every gateway receives what the
+single gateway of W = 1 received. Both are reported as what they are: neither replaces the other.
 """
 
 from __future__ import annotations
@@ -45,6 +51,13 @@ NATS_NODES = 3
 READY_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 300.0
 YARDSTICK_MIN_MESSAGES = 5_000
+SCALES = ("strong", "weak")
+SCALE_MEANING = {
+    "strong": "the same --users, --fixes and --queries at every W, fixes sent by this one process",
+    "weak": "--users, --fixes, --queries and --query-threads per worker, times W; fixes sent by W load processes, "
+    "one per gateway",
+}
+MAX_QUERY_THREADS = 64
 SCALING_WARNING = (
     "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
     "meaningful at any W; the fixes/s and queries/s columns are this host's throughput, NOT a scaling "
@@ -71,7 +84,9 @@ def add_parser(bench: SubParsers) -> None:
             "than the one the cells were cut from. Oversubscribing the host (W above its cores) is fine for "
             "CPU per message; throughput on a small host is never a scaling result. Each W also prints NATS's own "
             "CPU per fix measured in the same run (the same payloads published raw into an R1 and an R3 stream) "
-            "and the NATS messages per fix (stored per stream, delivered, the servers' in_msgs). Progress on stderr; "
+            "and the NATS messages per fix (stored per stream, delivered, the servers' in_msgs). --scale weak "
+            "multiplies the load by W (the same load per worker; the fixes from one load process per gateway) "
+            "instead of spreading one fixed load over W workers (strong, the default). Progress on stderr; "
             "--json prints one JSON object on stdout."
         ),
     )
@@ -105,6 +120,15 @@ def add_parser(bench: SubParsers) -> None:
     p.add_argument("--query-rate", type=float, default=100_000.0, metavar="R", help="queries/s to extrapolate to (1e5)")
     p.add_argument("--utilisation", type=float, default=0.6, metavar="U", help="target CPU utilisation per core (0.6)")
     p.add_argument("--query-threads", type=int, default=8, metavar="N", help="HTTP queries in flight (8)")
+    p.add_argument(
+        "--scale",
+        choices=SCALES,
+        default="strong",
+        help="strong: the same --users/--fixes/--queries whatever W, sent by one load generator (the load is "
+        "spread thinner as W grows); weak: --users, --fixes, --queries and --query-threads (at most 64) are "
+        "PER WORKER, multiplied by W, and the fixes are sent by W load processes, one per gateway, so each "
+        "gateway sees the load of the W = 1 run (strong)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -285,9 +309,10 @@ class Deployment:
         return client, route
 
     async def nats_counts(self) -> dict[str, float]:
-        """Messages NATS handled so far: each stream's last sequence (stored), each stream's consumers'
-        deliveries summed, and the servers' ``in_msgs`` (every message a node received: publishes, acks,
-        pulls, API requests, route traffic) summed over the nodes from ``/varz``."""
+        """Messages NATS handled so far: each stream's last sequence (stored), each stream's durable consumers'
+        deliveries summed (``delivered``) and its ephemeral readers' (``read``: rebuilds, window reads; an ephemeral
+        consumer removed meanwhile takes its count with it), and the servers' ``in_msgs`` (every message a node
+        received: publishes, acks, pulls, API requests, route traffic) summed over the nodes from ``/varz``."""
         from kcloak.broker.cluster.topology import connect_nats
 
         out: dict[str, float] = {}
@@ -297,10 +322,14 @@ class Deployment:
             for info in await js.streams_info():
                 name = info.config.name
                 out[f"stored:{name}"] = float(info.state.last_seq)
-                delivered = 0
+                delivered = read = 0
                 for consumer in await js.consumers_info(name):
-                    delivered += consumer.delivered.consumer_seq or 0
+                    if consumer.config.durable_name:  # a pinned consumer (router, owner)
+                        delivered += consumer.delivered.consumer_seq or 0
+                    else:  # an ephemeral reader's (a rebuild's last-per-subject read, a window's read)
+                        read += consumer.delivered.consumer_seq or 0
                 out[f"delivered:{name}"] = float(delivered)
+                out[f"read:{name}"] = float(read)
         finally:
             await nc.close()
         out["server_in_msgs"] = float(sum(json.loads(_get(f"{m}/varz"))["in_msgs"] for m in self.monitors))
@@ -404,6 +433,69 @@ class FixSender:
             client.loop_stop()
 
 
+def _sender_main(conn: Any, mqtt_port: int, tag: str) -> None:
+    """A load process of :class:`ProcessFixSender`: one MQTT connection to one gateway; each round received on
+    ``conn`` (``[(user index, payload), …]``, None to stop) is published, and its PUBACK count sent back."""
+    sender = FixSender([(0, mqtt_port)], tag)
+    try:
+        while (items := conn.recv()) is not None:
+            for user_index, payload in items:
+                sender.send(user_index, payload)
+            conn.send(sender.wait_pubacks())
+    finally:
+        sender.close()
+        conn.close()
+
+
+class ProcessFixSender:
+    """One load process per gateway (weak scaling): user i's fixes go through gateway i mod W, published by that
+    gateway's own process, all processes at once, so the load a gateway receives does not thin out with W (one
+    Python process publishes about 2,000 fixes/s, whatever the number of gateways it spreads them over)."""
+
+    def __init__(self, gateways: list[tuple[int, int]], tag: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no paho threads or asyncio loop inherited
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for i, (_, mqtt_port) in enumerate(gateways):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_sender_main, args=(child, mqtt_port, f"{tag}-{i}"), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.rounds: list[list[tuple[int, bytes]]] = [[] for _ in gateways]
+
+    def send(self, user_index: int, payload: bytes) -> None:
+        self.rounds[user_index % len(self.rounds)].append((user_index, payload))
+
+    def wait_pubacks(self, timeout: float = 120.0) -> int:
+        for conn, items in zip(self.conns, self.rounds, strict=True):
+            conn.send(items)
+        self.rounds = [[] for _ in self.rounds]
+        deadline = time.monotonic() + timeout
+        acked = 0
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if not conn.poll(max(0.1, deadline - time.monotonic())):
+                raise RuntimeError(f"a load process gave no PUBACK count within {timeout:g} s")
+            try:
+                acked += int(conn.recv())
+            except EOFError:
+                raise RuntimeError(f"a load process exited with {proc.exitcode}") from None
+        return acked
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+
+
 def http_query(url: str, body: dict[str, Any], timeout: float = 90.0) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
@@ -445,6 +537,27 @@ class Population:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What one worker count is sent. Strong scaling: the same total whatever W, from this process. Weak
+    scaling: W times the per-worker load (users, fixes, queries, queries in flight), the fixes from W load
+    processes, one per gateway."""
+
+    scale: str
+    users: int
+    fixes: int
+    queries: int
+    query_threads: int
+    sender_processes: int  # 0: the fixes are published by this process
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, workers: int) -> Load:
+        if args.scale == "weak":
+            threads = min(MAX_QUERY_THREADS, args.query_threads * workers)
+            return cls("weak", args.users * workers, args.fixes * workers, args.queries * workers, threads, workers)
+        return cls("strong", args.users, args.fixes, args.queries, args.query_threads, 0)
+
+
 def measure_one(
     args: argparse.Namespace,
     workers: int,
@@ -458,7 +571,7 @@ def measure_one(
         dep = Deployment(Path(tmp), workers, cells_path, cells, args.partitions)
         try:
             dep.start(log)
-            return _drive(args, dep, population, log)
+            return _drive(args, Load.of(args, workers), dep, population, log)
         finally:
             dep.stop()
 
@@ -467,31 +580,66 @@ def _cpu(pids: list[int]) -> float:
     return sum(cpu_s(pid) for pid in pids)
 
 
+def _decided(dep: Deployment, fixes: int, deadline: float) -> tuple[float, float, list[str]]:
+    """Wait until the gateways' accepted + rejected fix counters reach ``fixes`` (or ``deadline``); the two sums and
+    the metric pages."""
+    while True:
+        texts = dep.metrics()
+        accepted = sum(counter_sum(t, "kcloak_updates_accepted_total") for t in texts)
+        rejected = sum(counter_sum(t, "kcloak_updates_rejected_total") for t in texts)
+        if accepted + rejected >= fixes or time.monotonic() > deadline:
+            return accepted, rejected, texts
+        time.sleep(0.5)
+
+
+def _rejected_by(texts: list[str]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for t in texts:
+        out.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
+    return out
+
+
 def _drive(
-    args: argparse.Namespace, dep: Deployment, population: Population, log: Callable[[str], None]
+    args: argparse.Namespace, load: Load, dep: Deployment, population: Population, log: Callable[[str], None]
 ) -> dict[str, Any]:
     import asyncio  # here, not at the top: kcloak --help must not import it
 
     kc, nats_pids, lbs = dep.pids("worker"), dep.pids("nats"), dep.pids("lbs")
     w = len(kc)
     time.sleep(2.0)  # the workers' first pulls (rendezvous spread up to 2 s)
-    k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-    time.sleep(3.0)
-    idle_s = time.monotonic() - t0
-    idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
-
-    # fixes: rounds of one fix per user (the last round's users first), PUBACKs, then the routers' verdicts
     users = len(population.last_t)
-    sender = FixSender(dep.gateways, f"w{w}")
-    sent = pubacked = crossed = followed = 0
-    payloads_sent: list[bytes] = []
-    counts0 = asyncio.run(dep.nats_counts())
-    k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    sender: FixSender | ProcessFixSender = (
+        ProcessFixSender(dep.gateways, f"w{w}") if load.sender_processes else FixSender(dep.gateways, f"w{w}")
+    )
     try:
+        # Warm-up, not measured: one fix of every user, so that every consumer has its pin and every router and
+        # owner has rebuilt (a first pin reads the stream) before the clock starts, and the idle rate below is
+        # that of pinned members and their backups.
+        warm = population.fixes(5.0)
+        for i in range(users):
+            sender.send(i, warm[i])
+        sender.wait_pubacks()
+        warm_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        accepted0, rejected0, texts = _decided(dep, users, warm_deadline)
+        while not asyncio.run(dep.cells_applied()) and time.monotonic() < warm_deadline:
+            time.sleep(0.5)
+        log(f"W={w}: warm-up, {users} fixes (one per user) decided")
+        time.sleep(1.0)
+        k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+        time.sleep(3.0)
+        idle_s = time.monotonic() - t0
+        idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
+        rejected_before = _rejected_by(texts)
+
+        # fixes: rounds of one fix per user, PUBACKs, then the routers' verdicts and the owners' work
+        sent = pubacked = crossed = followed = 0
+        payloads_sent: list[bytes] = []
+        counts0 = asyncio.run(dep.nats_counts())
+        k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
         rnd = 0
-        while sent < args.fixes:
+        while sent < load.fixes:
             payloads = population.fixes(5.0)
-            count = min(users, args.fixes - sent)
+            count = min(users, load.fixes - sent)
             for i in range(count):
                 sender.send(i, payloads[i])
             payloads_sent += payloads[:count]
@@ -501,30 +649,23 @@ def _drive(
             sent += count
             pubacked += sender.wait_pubacks()
             rnd += 1
-            log(f"W={w}: round {rnd}: {sent}/{args.fixes} fixes PUBACKed by the gateways")
+            log(f"W={w}: round {rnd}: {sent}/{load.fixes} fixes PUBACKed by the gateways")
     finally:
         sender.close()
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while True:
-        texts = dep.metrics()
-        accepted = sum(counter_sum(t, "kcloak_updates_accepted_total") for t in texts)
-        rejected = sum(counter_sum(t, "kcloak_updates_rejected_total") for t in texts)
-        if accepted + rejected >= sent or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    accepted, rejected, texts = _decided(dep, int(accepted0 + rejected0) + sent, deadline)
+    accepted, rejected = accepted - accepted0, rejected - rejected0  # less the warm-up's fixes
     while not asyncio.run(dep.cells_applied()) and time.monotonic() < deadline:
         time.sleep(0.5)  # the owners apply the routers' cell events: part of a fix's cost, not a query's
     k2, n2, t2 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     fix_s = t2 - t1
     counts1 = asyncio.run(dep.nats_counts())
-    rejected_by: Counter[str] = Counter()
-    for t in texts:
-        rejected_by.update({k: int(v) for k, v in counter_by(t, "kcloak_updates_rejected_total", "reason").items()})
+    rejected_by = _rejected_by(texts) - rejected_before
     log(f"W={w}: {int(accepted)} fixes accepted, {int(rejected)} rejected in {fix_s:.1f} s")
 
     # queries: HTTP knn, each through its user's gateway, --query-threads in flight
     def one(i: int) -> tuple[int, dict[str, Any]]:
-        u = (i * 7919) % min(users, args.fixes)
+        u = (i * 7919) % min(users, load.fixes)
         http_port = dep.gateways[u % w][0]
         body = {"query_id": f"bench-w{w}-{i}", "kind": "knn", "n": 3}
         return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
@@ -532,8 +673,8 @@ def _drive(
     client3, route3 = dep.nats_client_route_counts()
     l3 = _cpu(lbs)
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-    with ThreadPoolExecutor(max_workers=args.query_threads) as pool:
-        results = list(pool.map(one, range(args.queries)))
+    with ThreadPoolExecutor(max_workers=load.query_threads) as pool:
+        results = list(pool.map(one, range(load.queries)))
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     l4 = _cpu(lbs)
     client4, route4 = dep.nats_client_route_counts()
@@ -542,7 +683,7 @@ def _drive(
     ok = sum(1 for body in answered if body["status"] == "ok")
     refused = Counter(str(body.get("reason")) for body in answered if body["status"] != "ok")
     errors = Counter(str(status) for status, body in results if not (status == 200 and "status" in body))
-    log(f"W={w}: {len(answered)}/{args.queries} queries answered ({ok} ok) in {query_s:.1f} s")
+    log(f"W={w}: {len(answered)}/{load.queries} queries answered ({ok} ok) in {query_s:.1f} s")
     yardstick = asyncio.run(dep.yardstick(payloads_sent, nats_pids))
     log(
         f"W={w}: yardstick, the same {len(payloads_sent)} payloads published raw: NATS "
@@ -559,11 +700,15 @@ def _drive(
 
     return {
         "workers": w,
+        "scale": load.scale,
+        "users": users,
+        "query_threads": load.query_threads,
+        "fix_sender_processes": load.sender_processes,
         "fixes_sent": sent,
         "fixes_pubacked": pubacked,
         "fixes_accepted": int(accepted),
         "fixes_rejected": dict(rejected_by),
-        "queries_sent": args.queries,
+        "queries_sent": load.queries,
         "queries_answered": len(answered),
         "queries_ok": ok,
         "queries_refused": dict(refused),
@@ -653,7 +798,12 @@ def extrapolate(row: dict[str, Any], skew: float, fix_rate: float, query_rate: f
 def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]:
     """Growth of kcloak's CPU per message from the smallest to the largest W (and the same net of idle CPU)."""
     first, last = rows[0], rows[-1]
-    out: dict[str, Any] = {"from_workers": first["workers"], "to_workers": last["workers"], "target": target}
+    out: dict[str, Any] = {
+        "scale": first.get("scale", "strong"),
+        "from_workers": first["workers"],
+        "to_workers": last["workers"],
+        "target": target,
+    }
     for kind in ("fix", "query"):
         a, b = first[f"kcloak_cpu_us_per_{kind}"], last[f"kcloak_cpu_us_per_{kind}"]
         out[kind] = round(b / a - 1.0, 4) if a and b else None
@@ -717,9 +867,13 @@ def run(args: argparse.Namespace) -> int:
         from kcloak.simulators.bench import build_model
 
         cell_map = CellMap.from_json(cells_path.read_text(encoding="utf-8"))
-        population = Population(build_model("street", args.users, seed=2), [0.0] * args.users, cell_map)
+        log(f"scale: {args.scale} ({SCALE_MEANING[args.scale]})")
         rows = []
+        population: Population | None = None
         for w in workers:
+            n = Load.of(args, w).users
+            if population is None or len(population.last_t) != n:  # strong: one population for every W
+                population = Population(build_model("street", n, seed=2), [0.0] * n, cell_map)
             rows.append(measure_one(args, w, cells_path, args.cells, population, log))
     report = {
         "bench": "cluster",
@@ -730,6 +884,8 @@ def run(args: argparse.Namespace) -> int:
             "replicas": 3,
             "partitions": args.partitions,
             "cells": args.cells,
+            "scale": args.scale,
+            "scale_meaning": SCALE_MEANING[args.scale],
             "users": args.users,
             "fixes": args.fixes,
             "queries": args.queries,
@@ -755,7 +911,8 @@ def print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     out = Console()
-    table = Table(title="kcloak bench cluster: CPU-µs per message (utime+stime, processes summed)")
+    scale = report["config"]["scale"]
+    table = Table(title=f"kcloak bench cluster, {scale} scaling: CPU-µs per message (utime+stime, processes summed)")
     cols = ("W", "kcloak/fix", "NATS/fix", "kcloak/query", "NATS/query", "fixes ok/sent", "answered/sent", "ok")
     for col in (*cols, "host fixes/s*", "host queries/s*"):
         table.add_column(col)
@@ -786,7 +943,8 @@ def print_table(report: dict[str, Any]) -> None:
         out.print(f"  NATS messages per fix: {counts}")
     ov = report["overhead"]
     out.print(
-        f"coordination overhead W={ov['from_workers']}→{ov['to_workers']}: "
+        f"coordination overhead ({scale} scaling: {report['config']['scale_meaning']}) "
+        f"W={ov['from_workers']}→{ov['to_workers']}: "
         f"fix {ov['fix']}, query {ov['query']}: {ov['verdict']}; net of idle CPU: "
         f"fix {ov['fix_net_of_idle']}, query {ov['query_net_of_idle']}"
     )

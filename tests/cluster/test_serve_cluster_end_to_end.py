@@ -84,6 +84,20 @@ def http(gateway: Gateway, path: str, body: dict[str, Any]) -> tuple[int, dict[s
         return exc.code, json.loads(exc.read())
 
 
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def counter_total(metrics: str, name: str) -> float:
+    """Every sample of ``name`` in a Prometheus text page, summed (read as a scraper reads it)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_two_nodes_answer_each_query_once_with_k_users_of_the_tests_own_count(
     nats_cluster: NatsCluster,
     tmp_path: Path,
@@ -134,6 +148,11 @@ def test_two_nodes_answer_each_query_once_with_k_users_of_the_tests_own_count(
             bbox = a["region"]["bbox"]
             assert inside_or_on(bbox, positions) >= K  # the test's own count of the users it placed
             assert a["k_achieved"] >= K
+        # each query counted once in kcloak_queries_total (by the node whose door answered it), and once among the
+        # queries the workers decided, under the workers' own name
+        texts = [get_text(node.url("/metrics")) for node in nodes]
+        assert sum(counter_total(t, "kcloak_queries_total") for t in texts) == len(answers)
+        assert sum(counter_total(t, "kcloak_cluster_worker_queries_total") for t in texts) == len(answers)
         # the same query id again over HTTP, through either node: the contract's duplicate
         status, body = http(
             nodes[0], f"/v1/users/{users[16]}/query", {"query_id": f"h-{users[16]}", "kind": "knn", "n": 2}

@@ -111,7 +111,8 @@ def test_access_log_stats_line_and_metrics_hold_no_id_token_or_coordinate(server
     ok_answers = metric(after, "kcloak_queries_total", status="ok") - metric(
         before, "kcloak_queries_total", status="ok"
     )
-    assert sum(s["queries_ok"] for s in stats) == ok_answers >= 1  # a cluster node counts at gateway and worker
+    # one query answered, counted once (a cluster node counts it at the door, its worker under a name of its own)
+    assert sum(s["queries_ok"] for s in stats) == ok_answers == 1
     for s in stats:
         assert all(isinstance(v, (int, float)) for k, v in s.items() if k not in ("event", "level"))
 
