@@ -4,14 +4,23 @@ Every accepted fix is already in ``movement.sqlite3`` (written ahead by the move
 :class:`WindowPublisher` cuts that history into windows ``[n·W, (n+1)·W)``; once no fix can arrive
 for a window any more (now ≥ ``t_end`` + ``max_update_age_s``) it anonymizes the window's
 trajectories with :func:`kcloak.streams.publish.anonymize` ((k,δ)-anonymity, CONCEPTS §7.2–§7.5) and
-publishes the result exactly once. A window of :data:`PROCESS_MIN_ROWS` fixes or more is
-anonymized in a worker process (started on first need, then kept): the algorithm runs for seconds
-in Python and, in a thread, would hold the interpreter lock the event loop needs to answer
-queries meanwhile. Smaller windows, or any window when the worker cannot run, use a thread.
+publishes the result exactly once. A window of :data:`PROCESS_MIN_ROWS` fixes or more is read,
+anonymized and written out by :func:`anonymize_window` in a child process of its own, started for
+that window, at a lower CPU priority (:data:`CHILD_NICE`) once it has read the window's fixes, and
+ended once the window's CSV is written:
+
+- the algorithm runs for seconds in Python and, in a thread, would hold the interpreter lock the
+  event loop needs to answer queries meanwhile;
+- the window's fixes (millions for a busy broker) never enter the broker's heap, and whatever the
+  child allocated leaves with it (a child kept between windows keeps what the largest window took);
+- on a small host the window competes with the broker and the LBS for the CPU: niced, it takes the
+  time they leave, and queries keep their latency while a window closes.
+
+Smaller windows, or any window when the child cannot run, are processed the same way in a thread.
 The result is then:
 
 1. write ``published/trajectories/<window_id>.csv`` and ``.json`` atomically (temp file, fsync,
-   rename);
+   rename; the CSV's temp file is written by :func:`anonymize_window`);
 2. record the window ``committed`` in the ``windows`` table;
 3. publish it on ``kcloak/v1/published/trajectories`` in parts of at most 10,000 rows (QoS 1,
    each part acknowledged);
@@ -35,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import csv
+import dataclasses
 import itertools
 import json
 import logging
@@ -59,12 +69,12 @@ from kcloak import __version__
 from kcloak.broker.config import Config
 from kcloak.broker.errors import BrokerError
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.stores import GroupCommitWriter, MovementStore
+from kcloak.broker.stores import GroupCommitWriter, MovementStore, read_fix_columns
 from kcloak.core.logs import log_event
 from kcloak.core.memory import release_free_memory
 from kcloak.core.readers import FixTable, write_contract_csv
 from kcloak.core.schemas import FIXES, WINDOWS, WindowState
-from kcloak.streams.publish import METHODS, Release, anonymize
+from kcloak.streams.publish import METHODS, anonymize
 from kcloak.wire.mqtt_client import MqttError
 
 log = logging.getLogger("kcloak.publication")
@@ -79,7 +89,10 @@ PI_S_MAX = 60.0
 """NWA time granularity of live windows: ``min(60 s, window_s / 10)`` (60 s for the default 900 s)."""
 
 PROCESS_MIN_ROWS = 20_000
-"""Windows with at least this many fixes are anonymized in the worker process (a second or more of work)."""
+"""Windows with at least this many fixes are processed in a child process (a second or more of work)."""
+CHILD_NICE = 10
+"""How much the window's child process lowers its CPU priority (``os.nice``): on a busy host it then takes
+the CPU time the broker and the LBS leave, about a tenth of a core when they want all of it."""
 
 WINDOW_ID = re.compile(r"^([0-9]{1,15})-([0-9]{1,15})\Z")
 
@@ -184,30 +197,112 @@ class WindowLedger:
             row = self._conn.execute(f"SELECT MAX(t_end) FROM {WINDOWS.name}").fetchone()
         return None if row[0] is None else int(row[0])
 
+    def count_fixes(self, t0: float, t1: float) -> int:
+        """How many stored fixes have ``t0 ≤ t < t1``."""
+        with self._lock:
+            row = self._conn.execute(f"SELECT COUNT(*) FROM {FIXES.name} WHERE t >= ? AND t < ?", (t0, t1)).fetchone()
+        return int(row[0])
+
     def first_fix_at_or_after(self, t: float) -> float | None:
         with self._lock:
             row = self._conn.execute(f"SELECT MIN(t) FROM {FIXES.name} WHERE t >= ?", (t,)).fetchone()
         return None if row[0] is None else float(row[0])
 
 
-def _worker_init() -> None:
-    """The anonymization worker ignores a terminal's Ctrl-C: the broker stops it when it stops."""
+@dataclass(frozen=True, slots=True)
+class WindowJob:
+    """What :func:`anonymize_window` needs, picklable for a child process: the movement database, the
+    window, where to write its CSV, the ``min_points`` filter and :func:`~kcloak.streams.publish.anonymize`'s
+    parameters."""
+
+    database: Path
+    t_start: int
+    t_end: int
+    csv_path: Path
+    min_points: int
+    params: dict[str, Any]
+    nice: int = 0
+    """Lower the CPU priority by this much once the fixes are read (in a child process only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """What :func:`anonymize_window` returns: whether the release is published, its report, and the
+    number of users left out for having fewer than ``min_points`` fixes."""
+
+    ok: bool
+    report: dict[str, Any]
+    n_few: int
+
+
+def anonymize_window(job: WindowJob) -> WindowResult:
+    """Read a window's fixes from the movement database (a connection of its own), anonymize them and
+    write the release to ``job.csv_path`` (fsynced, not renamed). If the algorithm fails, the window is
+    published empty, so a bug never stalls publication.
+
+    The read runs at full priority, then the priority is lowered by ``job.nice``: the read is one
+    transaction, and while it is open SQLite cannot reset the write-ahead log the broker keeps writing
+    fixes to. Niced from the start on a loaded host, a 15-minute window took 4 minutes to read and the
+    log grew by 400 MB (a file SQLite keeps at its largest size)."""
+    conn = sqlite3.connect(job.database)
+    try:
+        conn.execute("PRAGMA busy_timeout=5000")
+        fixes = read_fix_columns(conn, job.t_start, job.t_end)
+    finally:
+        conn.close()
+    if job.nice:
+        os.nice(job.nice)
+    _, inverse, counts = np.unique(fixes.traj_id, return_inverse=True, return_counts=True)
+    keep = counts[inverse] >= job.min_points
+    n_few = int(np.count_nonzero(counts < job.min_points))
+    table = FixTable(fixes.traj_id[keep], fixes.t[keep], fixes.lat[keep], fixes.lon[keep])
+    del fixes, inverse, keep
+    try:
+        release = anonymize(table, **job.params)
+    except Exception:
+        log.exception("window_anonymize_failed")
+        empty = FixTable(np.array([], dtype=str), np.array([]), np.array([]), np.array([]))
+        release = anonymize(empty, **job.params)
+    del table
+    write_contract_csv(job.csv_path, release.table)
+    _fsync_write(job.csv_path)
+    return WindowResult(release.ok, release.report, n_few)
+
+
+def _child_init() -> None:
+    """The window's child ignores a terminal's Ctrl-C: the broker ends it when it stops."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _stop_worker(worker: concurrent.futures.ProcessPoolExecutor, grace_s: float = 5.0) -> None:
-    """Stop the worker now: a window still being anonymized is abandoned (it is processed anew after a
-    restart), so the broker never waits at exit for an algorithm run of many seconds to finish."""
+def _start_child(
+    job: WindowJob,
+) -> tuple[concurrent.futures.ProcessPoolExecutor, concurrent.futures.Future[WindowResult]]:
+    """A fresh process (``spawn``: nothing of the broker's heap is inherited) running :func:`anonymize_window`.
+
+    One process per window, and no ``max_tasks_per_child``: with it, the executor's manager thread
+    replaces the exiting worker right after the result arrives, so a fresh idle process (with its
+    imports) would always wait for the next window, and one that is still being started is missed by
+    :func:`_stop_child`. The process is registered by the time :meth:`submit` returns.
+    """
+    executor = concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init
+    )
+    return executor, executor.submit(anonymize_window, dataclasses.replace(job, nice=CHILD_NICE))
+
+
+def _stop_child(executor: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Stop the child now: a window still being anonymized is abandoned (it is processed anew after a
+    restart), so the broker never waits at exit for an algorithm run of many seconds to finish. The
+    child holds nothing worth a graceful exit (its half-written CSV is a temp file, replaced on the
+    next run), so it is killed: that also ends a child that is stopped (SIGSTOP) or not scheduled."""
     # The executor keeps its processes private (3.14 adds terminate_workers()); without them, an idle
-    # worker still exits on the shutdown sentinel.
-    processes = list((getattr(worker, "_processes", None) or {}).values())
-    worker.shutdown(wait=False, cancel_futures=True)
+    # child still exits on the shutdown sentinel.
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
-        process.terminate()
+        process.kill()
     for process in processes:
-        process.join(grace_s)
-        if process.is_alive():
-            process.kill()
+        process.join(5.0)
 
 
 _WINDOW_PUT = WINDOWS.insert_sql(conflict="REPLACE")
@@ -308,7 +403,7 @@ class WindowPublisher:
     files go: ``<data dir>/published/trajectories``), ``metrics``, ``send`` (QoS 1 publish that
     returns once acknowledged; None without MQTT, then committed windows are marked sent at once)
     ``clock`` (Unix seconds; :func:`time.time`) and ``process_min_rows`` (windows with at least this
-    many fixes are anonymized in the worker process; :data:`PROCESS_MIN_ROWS`).
+    many fixes are processed in a child process of their own; :data:`PROCESS_MIN_ROWS`).
     """
 
     def __init__(
@@ -337,14 +432,18 @@ class WindowPublisher:
         self.started_t = clock()
         self.ledger = WindowLedger(movement.path, movement.writer)
         self.process_min_rows = process_min_rows
-        self._worker: concurrent.futures.ProcessPoolExecutor | None = None
+        self._child: concurrent.futures.ProcessPoolExecutor | None = None
+        self._child_lock = threading.Lock()  # starting a child vs. close() from another thread
+        self._closed = False
         self._cursor: int | None = None
         self._unsent: list[str] | None = None
 
     def close(self) -> None:
-        if self._worker is not None:
-            _stop_worker(self._worker)
-            self._worker = None
+        with self._child_lock:
+            self._closed = True
+            child, self._child = self._child, None
+        if child is not None:
+            _stop_child(child)
         self.ledger.close()
 
     # -- retention -----------------------------------------------------------------------------
@@ -418,13 +517,28 @@ class WindowPublisher:
         # Every fix accepted so far was queued to the store before this point: wait until it is
         # committed, so the window's input is complete.
         await self.movement.writer.barrier()
-        fixes = await asyncio.to_thread(self.movement.fix_columns_between, window.t_start, window.t_end)
-        if len(fixes) >= self.process_min_rows:
-            release, n_few = await self._anonymize_in_worker(fixes)
+        pub = self.config.publish
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        job = WindowJob(
+            database=self.movement.path,
+            t_start=window.t_start,
+            t_end=window.t_end,
+            csv_path=self._csv_tmp(window.window_id),
+            min_points=pub.min_points,
+            params={
+                "method": pub.method,
+                "k": pub.k,
+                "delta_m": pub.delta_m,
+                "trash_max": pub.trash_max,
+                "pi_s": self.pi_s,
+            },
+        )
+        n_fixes = await asyncio.to_thread(self.ledger.count_fixes, window.t_start, window.t_end)
+        if n_fixes >= self.process_min_rows:
+            release = await self._anonymize_in_child(job)
         else:
-            release, n_few = await asyncio.to_thread(self._anonymize, fixes)
-        del fixes
-        await asyncio.to_thread(release_free_memory)  # the window's columns, given back (kcloak.core.memory)
+            release = await asyncio.to_thread(anonymize_window, job)
+            await asyncio.to_thread(release_free_memory)  # what the window took here (kcloak.core.memory)
         status = WindowStatus.PUBLISHED if release.ok else WindowStatus.EMPTY
         report: dict[str, Any] = {
             "kcloak_version": __version__,
@@ -435,8 +549,8 @@ class WindowPublisher:
             "status": status.value,
             **release.report,
         }
-        report["n_too_short"] += n_few
-        await asyncio.to_thread(self._write_files, window, release.table, report)
+        report["n_too_short"] += release.n_few
+        await asyncio.to_thread(self._write_files, window, report)
         n_in, n_out = int(report["n_in"]), int(report["n_out"])
         await self.ledger.commit(window, n_in=n_in, n_out=n_out, t=self.clock())
         self._cursor = window.t_end
@@ -456,57 +570,45 @@ class WindowPublisher:
             runtime_s=round(float(report["runtime_s"]), 3),
         )
 
-    async def _anonymize_in_worker(self, fixes: FixTable) -> tuple[Release, int]:
-        """:meth:`_anonymize` with the algorithm in the worker process (in a thread if that fails)."""
-        table, n_few, params = await asyncio.to_thread(self._prepare, fixes)
+    async def _anonymize_in_child(self, job: WindowJob) -> WindowResult:
+        """:func:`anonymize_window` in a child process of its own (in a thread if the child fails)."""
         try:
-            if self._worker is None:
-                self._worker = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
-                )
-            release: Release = await asyncio.wrap_future(self._worker.submit(anonymize, table, **params))
-            return release, n_few
-        except Exception as exc:  # the worker died or could not start, or the algorithm failed: run it here
+            future = await asyncio.to_thread(self._start_child, job)
+            result = await asyncio.wrap_future(future)
+        except Exception as exc:  # the child died or could not start, or the window failed there: run it here
+            await asyncio.to_thread(self._end_child, stop=True)
+            if self._closed:
+                raise
             log_event(log, "publication_worker_failed", logging.WARNING, error=type(exc).__name__)
-            if isinstance(exc, concurrent.futures.process.BrokenProcessPool | OSError) and self._worker is not None:
-                _stop_worker(self._worker)
-                self._worker = None
-        return await asyncio.to_thread(self._anonymize, fixes)
+            return await asyncio.to_thread(anonymize_window, job)
+        await asyncio.to_thread(self._end_child, stop=False)  # idle: it exits on the shutdown sentinel
+        return result
 
-    def _prepare(self, fixes: FixTable) -> tuple[FixTable, int, dict[str, Any]]:
-        """The window's fixes of users with ≥ ``min_points`` fixes, how many users had fewer, and the parameters."""
-        pub = self.config.publish
-        _, inverse, counts = np.unique(fixes.traj_id, return_inverse=True, return_counts=True)
-        keep = counts[inverse] >= pub.min_points
-        n_few = int(np.count_nonzero(counts < pub.min_points))
-        table = FixTable(fixes.traj_id[keep], fixes.t[keep], fixes.lat[keep], fixes.lon[keep])
-        params: dict[str, Any] = {
-            "method": pub.method,
-            "k": pub.k,
-            "delta_m": pub.delta_m,
-            "trash_max": pub.trash_max,
-            "pi_s": self.pi_s,
-        }
-        return table, n_few, params
+    def _start_child(self, job: WindowJob) -> concurrent.futures.Future[WindowResult]:
+        with self._child_lock:
+            if self._closed:
+                raise PublicationError("the publisher is closed")
+            self._child, future = _start_child(job)
+        return future
 
-    def _anonymize(self, fixes: FixTable) -> tuple[Release, int]:
-        """The window's release and the number of users left out for having < ``min_points`` fixes."""
-        table, n_few, params = self._prepare(fixes)
-        try:
-            return anonymize(table, **params), n_few
-        except Exception:  # a bug must not stall publication: the window is published empty
-            log.exception("window_anonymize_failed")
-            empty = FixTable(np.array([], dtype=str), np.array([]), np.array([]), np.array([]))
-            return anonymize(empty, **params), n_few
+    def _end_child(self, *, stop: bool) -> None:
+        with self._child_lock:
+            child, self._child = self._child, None
+        if child is None:
+            return
+        if stop:
+            _stop_child(child)
+        else:
+            child.shutdown(wait=True)
 
-    def _write_files(self, window: Window, table: FixTable, report: dict[str, Any]) -> None:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        csv_tmp = self.directory / f".{window.window_id}.csv.tmp"
+    def _csv_tmp(self, window_id: str) -> Path:
+        return self.directory / f".{window_id}.csv.tmp"
+
+    def _write_files(self, window: Window, report: dict[str, Any]) -> None:
+        """Write the report beside the CSV :func:`anonymize_window` wrote, then rename both into place."""
         json_tmp = self.directory / f".{window.window_id}.json.tmp"
-        write_contract_csv(csv_tmp, table)
-        _fsync_write(csv_tmp)
         _fsync_write(json_tmp, (json.dumps(report, indent=1) + "\n").encode())
-        os.replace(csv_tmp, self.csv_path(window.window_id))
+        os.replace(self._csv_tmp(window.window_id), self.csv_path(window.window_id))
         os.replace(json_tmp, self.report_path(window.window_id))
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
@@ -598,11 +700,14 @@ __all__ = [
     "TOPIC",
     "PublicationError",
     "Window",
+    "WindowJob",
     "WindowLedger",
     "WindowPublisher",
     "WindowRecord",
+    "WindowResult",
     "WindowState",
     "WindowStatus",
+    "anonymize_window",
     "window_parts",
     "window_start",
 ]

@@ -465,6 +465,32 @@ def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_exception(StoreError(f"store write failed: {type(error).__name__}"))
 
 
+def read_fix_columns(conn: sqlite3.Connection, t0: float, t1: float, *, chunk: int = 20_000) -> FixTable:
+    """Fixes with ``t0 ≤ t < t1`` of the movement database open on ``conn``, ordered by user then time,
+    as columns read ``chunk`` rows at a time.
+
+    A window of a busy broker holds millions of fixes; as one list of row tuples they would take
+    about 190 bytes each in the heap (390 MiB for 2,000 users over 15 minutes), which the allocator
+    keeps after the window is published. Read in chunks, only one chunk of tuples lives at a time
+    and the columns are numpy arrays, which are given back when freed.
+    """
+    where = "t >= ? AND t < ?"
+    n, width = conn.execute(
+        f"SELECT COUNT(*), COALESCE(MAX(LENGTH(user_id)), 1) FROM {FIXES.name} WHERE {where}", (t0, t1)
+    ).fetchone()
+    users = np.empty(n, dtype=f"<U{width}")
+    t, lat, lon = (np.empty(n, dtype=np.float64) for _ in range(3))
+    cursor = conn.execute(FIXES.select_sql(where=where, order_by="user_id, t"), (t0, t1))
+    at = 0
+    while (rows := cursor.fetchmany(chunk)) and at < n:
+        rows = rows[: n - at]  # fixes committed since the count are left for the next window read
+        end = at + len(rows)
+        users[at:end] = [r[0] for r in rows]
+        t[at:end], lat[at:end], lon[at:end] = np.array([r[1:] for r in rows], dtype=np.float64).reshape(-1, 3).T
+        at = end
+    return FixTable(users[:at], t[:at], lat[:at], lon[:at])
+
+
 class MovementStore:
     """``movement.sqlite3``: every accepted fix (the write-ahead history) and window states."""
 
@@ -513,29 +539,9 @@ class MovementStore:
             ).fetchall()
 
     def fix_columns_between(self, t0: float, t1: float, *, chunk: int = 20_000) -> FixTable:
-        """:meth:`fixes_between` as columns, read ``chunk`` rows at a time.
-
-        A window of a busy broker holds millions of fixes; as one list of row tuples they would take
-        about 190 bytes each in the broker's heap (390 MiB for 2,000 users over 15 minutes), which the
-        allocator keeps after the window is published. Read in chunks, only one chunk of tuples
-        lives at a time and the columns are numpy arrays, which are given back when freed.
-        """
-        where = "t >= ? AND t < ?"
+        """:meth:`fixes_between` as columns, read ``chunk`` rows at a time (:func:`read_fix_columns`)."""
         with self._read_lock:
-            n, width = self._read.execute(
-                f"SELECT COUNT(*), COALESCE(MAX(LENGTH(user_id)), 1) FROM {FIXES.name} WHERE {where}", (t0, t1)
-            ).fetchone()
-            users = np.empty(n, dtype=f"<U{width}")
-            t, lat, lon = (np.empty(n, dtype=np.float64) for _ in range(3))
-            cursor = self._read.execute(FIXES.select_sql(where=where, order_by="user_id, t"), (t0, t1))
-            at = 0
-            while (rows := cursor.fetchmany(chunk)) and at < n:
-                rows = rows[: n - at]  # fixes committed since the count are left for the next window read
-                end = at + len(rows)
-                users[at:end] = [r[0] for r in rows]
-                t[at:end], lat[at:end], lon[at:end] = np.array([r[1:] for r in rows], dtype=np.float64).reshape(-1, 3).T
-                at = end
-        return FixTable(users[:at], t[:at], lat[:at], lon[:at])
+            return read_fix_columns(self._read, t0, t1, chunk=chunk)
 
     def latest_per_user(self, since: float) -> list[tuple[str, float, float, float]]:
         """The latest fix of every user with a fix at or after ``since`` (restores the index)."""

@@ -76,6 +76,13 @@ class Sample:
     added_p99_ms: float | None = None
     """p99 of the broker's own ``kcloak_added_latency_seconds`` over the interval (upstream excluded)."""
     fixes_accepted: int = 0
+    windows: int = 0
+    """Publication windows the broker committed in the interval (``kcloak_published_windows_total``)."""
+    upstream_failures: Mapping[str, int] = field(default_factory=dict)
+    """Upstream attempts of the interval that failed, by outcome (``kcloak_upstream_seconds_count{outcome}``
+    but ``ok``: ``timeout``, ``connection_error``, ``http_error``, ...)."""
+    loadavg_1m: float | None = None
+    """The host's 1-minute load average at the time of the sample (the soak shares the host)."""
 
     def sqlite_total(self) -> int:
         return sum(self.sqlite_bytes.values())
@@ -85,6 +92,7 @@ class Sample:
         out["sqlite_bytes"] = dict(self.sqlite_bytes)
         out["queue_depths"] = dict(self.queue_depths)
         out["refusals"] = dict(sorted(self.refusals.items()))
+        out["upstream_failures"] = dict(sorted(self.upstream_failures.items()))
         out["sqlite_total_bytes"] = self.sqlite_total()
         return out
 

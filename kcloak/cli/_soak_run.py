@@ -354,10 +354,24 @@ async def _sample(
                 counter_sum(metrics, "kcloak_updates_accepted_total")
                 - counter_sum(before, "kcloak_updates_accepted_total")
             ),
+            windows=round(
+                counter_sum(metrics, "kcloak_published_windows_total")
+                - counter_sum(before, "kcloak_published_windows_total")
+            ),
+            upstream_failures=upstream_failures(before, metrics),
+            loadavg_1m=round(os.getloadavg()[0], 2),
         )
         run.samples.append(sample)
         prev_t = t_s
         say(progress_line(sample, run, time.monotonic() - t_begin))
+
+
+def upstream_failures(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Upstream attempts that failed between two scrapes, by outcome (``ok`` left out, zeros too)."""
+    name = "kcloak_upstream_seconds_count"
+    was = gauge_by_label(before, name, "outcome")
+    grown = {k: round(v - was.get(k, 0.0)) for k, v in gauge_by_label(after, name, "outcome").items() if k != "ok"}
+    return {k: v for k, v in sorted(grown.items()) if v > 0}
 
 
 def progress_line(s: Sample, run: SoakRun, elapsed_s: float) -> str:

@@ -175,13 +175,18 @@ def print_report(report: dict[str, Any], console: Any) -> None:
         "answers/s",
         "p99 ms",
         "added p99",
+        "win",
+        "load",
         "refused",
+        "upstream failed",
     )
 
     def cells(r: dict[str, Any]) -> tuple[str, ...]:
         wal = sum(v for k, v in r["sqlite_bytes"].items() if k.endswith("-wal"))
         queues = " ".join(f"{k}={v:.0f}" for k, v in sorted(r["queue_depths"].items())) or "–"
         refused = ", ".join(f"{k} {v}" for k, v in r["refusals"].items()) or "0"
+        failed = ", ".join(f"{k} {v}" for k, v in r.get("upstream_failures", {}).items()) or "0"
+        load = r.get("loadavg_1m")
         return (
             f"{r['t_s'] / 60:.1f}",
             f"{r['rss_bytes'] / 2**20:.1f}",
@@ -193,7 +198,10 @@ def print_report(report: dict[str, Any], console: Any) -> None:
             f"{r['answers'] / r['interval_s']:,.0f}",
             "–" if r["p99_ms"] is None else f"{r['p99_ms']:.1f}",
             "–" if r["added_p99_ms"] is None else f"{r['added_p99_ms']:.1f}",
+            str(r.get("windows", 0) or ""),
+            "–" if load is None else f"{load:.1f}",
             refused,
+            failed,
         )
 
     sustained = report["sustained_qps"]
@@ -205,7 +213,7 @@ def print_report(report: dict[str, Any], console: Any) -> None:
     if console.is_terminal:
         table = Table(title=title, title_justify="left")
         for col in header:
-            table.add_column(col, justify="left" if col in ("queues", "refused") else "right")
+            table.add_column(col, justify="left" if col in ("queues", "refused", "upstream failed") else "right")
         for r in rows:
             table.add_row(*cells(r))
         console.print(table)
@@ -215,7 +223,7 @@ def print_report(report: dict[str, Any], console: Any) -> None:
         console.print(title, highlight=False, soft_wrap=True)
         for line in lines:
             text = "  ".join(
-                v.ljust(w) if h in ("queues", "refused") else v.rjust(w)
+                v.ljust(w) if h in ("queues", "refused", "upstream failed") else v.rjust(w)
                 for v, w, h in zip(line, widths, header, strict=True)
             )
             console.print(text.rstrip(), highlight=False, soft_wrap=True)

@@ -27,6 +27,9 @@ SAMPLE_FIELDS = {
     "answers": int,
     "refusals": dict,
     "fixes_accepted": int,
+    "windows": int,
+    "upstream_failures": dict,
+    "loadavg_1m": float,
 }
 CHECKS = ["rss_growth", "p99_drift", "refusals", "exactly_once", "load_held"]
 

@@ -240,3 +240,20 @@ def test_sqlite_sizes_include_the_write_ahead_log(tmp_path: Path) -> None:
     db.close()
     assert set(sizes) >= {"sub/store.sqlite3", "sub/store.sqlite3-wal"} and "notes.txt" not in sizes
     assert sizes["sub/store.sqlite3-wal"] > 200 * 1000
+
+
+def test_upstream_failures_are_the_interval_s_failed_attempts_by_outcome() -> None:
+    """As scraped from /metrics: ``ok`` and outcomes that did not grow are left out."""
+    from kcloak.cli._soak_run import upstream_failures
+
+    name = "kcloak_upstream_seconds_count"
+    before = {f'{name}{{outcome="ok"}}': 100.0, f'{name}{{outcome="timeout"}}': 3.0, "kcloak_other_total": 1.0}
+    after = {
+        f'{name}{{outcome="ok"}}': 900.0,
+        f'{name}{{outcome="timeout"}}': 10.0,
+        f'{name}{{outcome="connection_error"}}': 2.0,
+        f'{name}{{outcome="http_error"}}': 0.0,
+        'kcloak_upstream_seconds_bucket{outcome="timeout",le="+Inf"}': 10.0,
+    }
+    assert upstream_failures(before, after) == {"connection_error": 2, "timeout": 7}
+    assert upstream_failures(after, after) == {}
