@@ -74,13 +74,23 @@ class WriteHealth:
             self._listener(self.store, ok)
 
 
-def open_db(path: Path, schema: SqliteFile) -> sqlite3.Connection:
-    """Open (creating if needed) a WAL-mode SQLite database of ``schema``, marked with its version.
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
+"""What a write-ahead log file is cut back to once it restarts from its beginning (``journal_size_limit``).
+
+A long read (a publication window's fixes, a ``kcloak release`` of a running broker's data directory) holds
+back checkpoints, so the log grows meanwhile (398 MiB in a soak); SQLite keeps the file at its largest size
+afterwards unless a limit is set."""
+
+
+def open_db(path: Path, schema: SqliteFile, *, wal_limit_bytes: int = WAL_SIZE_LIMIT_BYTES) -> sqlite3.Connection:
+    """Open (creating if needed) a WAL-mode SQLite database of ``schema``, marked with its version, whose
+    write-ahead log is cut back to ``wal_limit_bytes`` whenever it restarts.
 
     A file of another schema version is refused (:class:`StoreError`) before anything is written."""
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA journal_size_limit={int(wal_limit_bytes)}")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         version = schema.check_version(conn)

@@ -244,3 +244,35 @@ async def test_a_statement_queued_after_writes_of_the_same_turn_runs_after_them(
     await write
     assert deleted == 2
     store.close()
+
+
+def test_a_write_ahead_log_grown_under_a_long_read_is_cut_back(tmp_path: Path) -> None:
+    """A reader that holds back checkpoints lets the log grow past the limit; once it is gone, the log restarts
+    and its file is cut back to the limit (without one, SQLite keeps the file at its largest size)."""
+    from kcloak.broker.stores import WAL_SIZE_LIMIT_BYTES, open_db
+    from kcloak.core.schemas import MOVEMENT_FILE
+
+    limit = 256 * 1024
+    sizes: dict[str, int] = {}
+    for label, wal_limit in (("limited", limit), ("unlimited", -1)):
+        path = tmp_path / f"{label}.sqlite3"
+        writer = open_db(path, MOVEMENT_FILE, wal_limit_bytes=wal_limit)
+        reader = sqlite3.connect(path, isolation_level=None)
+        writer.execute("CREATE TABLE blob_rows (b BLOB)")
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM blob_rows").fetchone()  # a read snapshot: no checkpoint past it
+        for _ in range(40):
+            writer.execute("INSERT INTO blob_rows VALUES (randomblob(65536))")
+        grown = Path(f"{path}-wal").stat().st_size
+        assert grown > 8 * limit
+        reader.execute("COMMIT")
+        reader.close()
+        writer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        writer.execute("INSERT INTO blob_rows VALUES (randomblob(16))")  # the log restarts from its beginning
+        sizes[label] = Path(f"{path}-wal").stat().st_size
+        writer.close()
+    assert sizes["limited"] <= limit
+    assert sizes["unlimited"] > 8 * limit  # the control: SQLite alone keeps the grown file
+    default = open_db(tmp_path / "default.sqlite3", MOVEMENT_FILE)  # what the stores open
+    assert default.execute("PRAGMA journal_size_limit").fetchone()[0] == WAL_SIZE_LIMIT_BYTES
+    default.close()
