@@ -71,8 +71,8 @@ def peak_rss_mb() -> float:
 
 def _prepare(cloaker: Cloaker, view: IndexView, by_k: Mapping[int, PrivacyProfile]) -> None:
     """The first call on a view (its first user, stored profile): it builds the per-view state."""
-    if len(view):
-        cloaker.cloak(view, 0, by_k[int(view.k[0])])
+    if len(view):  # the first user's stored k, without reading the view's whole column
+        cloaker.cloak(view, 0, by_k[int(view.column_at("k", np.zeros(1, np.int64))[0])])
 
 
 def _stored(view: IndexView, rows: list[int], by_k: Mapping[int, PrivacyProfile]) -> list[PrivacyProfile]:
