@@ -245,7 +245,7 @@ class CurveOrder:
         n = len(lat)
         m = self._n
         if n > m:
-            touched = np.union1d(touched, np.arange(m, n, dtype=np.int64))
+            touched = np.concatenate([touched[touched < m], np.arange(m, n, dtype=np.int64)])  # ascending
         self._grow(n)
         lk_t = coordinate_keys(lon[touched])
         tk_t = coordinate_keys(lat[touched])

@@ -587,7 +587,7 @@ class Buckets:
     seg_pos: I64
     seg_b: I64
     bounds: I64
-    bucket_of: I64
+    bucket_of: npt.NDArray[np.int32]
     sizes: I64
     amin: F64
     amax: F64
@@ -711,7 +711,7 @@ def segment_buckets(
             bounds = np.append(partition_segments(k, seg_pos[:-1], _bucket_ends(k, int(k.max()))), n)
         nb = len(bounds) - 1
         sizes = np.diff(bounds)
-        bucket_of = np.full(n, -1, np.int64)
+        bucket_of = np.full(n, -1, np.int32)  # int32: 4 B/user
         if nb:
             bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         seg_b = np.searchsorted(bounds, seg_pos).astype(np.int64) if nb else np.zeros(s + 1, np.int64)
@@ -764,7 +764,7 @@ def segment_buckets(
     mbr[nbi_c] = old.mbr[ob]
     mbr[nbi_d] = d_mbr
     # Each row's bucket: the kept buckets renumbered through a small table, the others written.
-    table = np.zeros(len(old.sizes), np.int64)
+    table = np.zeros(len(old.sizes), np.int32)
     table[ob] = nbi_c
     # table lookups: the table stays in cache (rows new to the view are all in re-cut segments)
     bucket_of = table[old.bucket_of] if remap is None else table[old.bucket_of[remap]]

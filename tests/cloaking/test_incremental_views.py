@@ -278,7 +278,9 @@ def test_arrivals_and_departures_recut_only_their_segments() -> None:
     """Users arriving, leaving and going stale renumber the view's rows; the segments none of them
     touched keep their buckets, and every user still gets what a view built from nothing gives."""
     first = [(f"u{i}", 39.9 + (i % 20) * 1e-3, 116.4 + (i // 20) * 1e-3, i % 4) for i in range(200)]
-    steps = [  # arrivals get a stored profile in the same step (a default k would change every segment)
+    steps: list[
+        list[tuple[Any, ...]]
+    ] = [  # arrivals get their stored profile in the same step (a default k would change every segment)
         [("leave", "u7"), ("arrive", "n1", 39.9 + 2e-3 + 4e-6, 116.4 + 3e-3, 0), ("profile", "n1", 1)],
         [("arrive", "n2", 39.95, 116.45, 0), ("profile", "n2", 2), ("leave", "u60")],
         [("arrive", "n3", 39.9 + 1e-3, 116.4 + 1e-3, 5), ("profile", "n3", 0), ("leave", "u100"), ("leave", "u151")],
