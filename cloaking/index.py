@@ -347,13 +347,18 @@ class PositionIndex:
             out[at[hit] if by is None else by[at[hit]]] = values[hit]
         return out
 
-    def _k_max(self, seq: int, present: npt.NDArray[np.bool_]) -> int | None:
-        """Largest stored k among the rows ``present`` at snapshot ``seq``, when no stored profile was
-        written since (None: read the view's column)."""
+    def _profile_range(self, name: str, seq: int, present: npt.NDArray[np.bool_]) -> tuple[float, float] | None:
+        """Smallest and largest value of a stored-profile column (``k``, ``min_area_m2``,
+        ``max_area_m2``) among the rows ``present`` at snapshot ``seq``, read on the index's column
+        without a copy, when no stored profile was written since (None: read the view's column)."""
         if self._profile_rows or any(g >= seq for g, _, _ in self._journal.profiles):
             return None
         n = len(present)
-        return int(np.max(self._k[:n], where=present, initial=0)) if n else 0
+        if not present.any():
+            return (0.0, 0.0)
+        col = getattr(self, _COLUMN[name])[:n]
+        top, bottom = (np.inf, -np.inf) if col.dtype.kind == "f" else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
+        return float(np.min(col, where=present, initial=top)), float(np.max(col, where=present, initial=bottom))
 
     def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
@@ -495,8 +500,8 @@ class _Columns:
         assert self.index is not None
         return self.index._gather(name, self.seq, self.rows[view_rows], False)
 
-    def k_max(self) -> int | None:
-        return None if self.index is None else self.index._k_max(self.seq, self.present)
+    def profile_range(self, name: str) -> tuple[float, float] | None:
+        return None if self.index is None else self.index._profile_range(name, self.seq, self.present)
 
 
 class _IndexLookup:
@@ -642,11 +647,19 @@ class IndexView:
     @cached_property
     def k_max(self) -> int:
         """Largest stored k of the view's users (0 for an empty view)."""
-        if self._columns is not None and "k" not in self.__dict__:
-            k = self._columns.k_max()
-            if k is not None:
-                return k
-        return int(self.k.max()) if self._n else 0
+        return int(self.profile_range("k")[1])
+
+    def profile_range(self, name: str) -> tuple[float, float]:
+        """Smallest and largest value of ``k``, ``min_area_m2`` or ``max_area_m2`` over the view's
+        users ((0, 0) for an empty view), without reading the whole column when it was not read yet."""
+        if not self._n:
+            return (0.0, 0.0)
+        if self._columns is not None and name not in self.__dict__:
+            got = self._columns.profile_range(name)
+            if got is not None:
+                return got
+        col = getattr(self, name)
+        return float(col.min()), float(col.max())
 
     @classmethod
     def from_points(

@@ -556,12 +556,14 @@ class _Carry:
         return out
 
 
-def _per_bucket(op: np.ufunc, column: F64, rows: I64, bounds: I64) -> F64:
-    """``op`` over each bucket's values of a view column (one value for all when the column is constant)."""
-    lo, hi = (float(column.min()), float(column.max())) if len(column) else (0.0, 0.0)
+def _per_bucket(op: np.ufunc, view: IndexView, name: str, rows: I64, bounds: I64) -> F64:
+    """``op`` over each bucket's values of a view's profile column (one value for all when the
+    column is constant; otherwise only the given rows' values are read)."""
+    lo, hi = view.profile_range(name)
     if lo == hi:
         return np.full(len(bounds) - 1, lo)
-    out: F64 = op.reduceat(column[rows], bounds[:-1])
+    values = getattr(view, name)[rows] if len(rows) == len(view) else view.column_at(name, rows)
+    out: F64 = op.reduceat(values, bounds[:-1])
     return out
 
 
@@ -652,12 +654,8 @@ def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, boun
     whole view's or, when few, only those rows' profile values are read)."""
     if len(bounds) < 2:
         return np.zeros(0), np.zeros(0), np.zeros((0, 4), np.int64)
-    if len(rows) == len(view):
-        amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
-        amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
-    else:
-        amin = np.maximum.reduceat(view.column_at("min_area_m2", rows), bounds[:-1])
-        amax = np.minimum.reduceat(view.column_at("max_area_m2", rows), bounds[:-1])
+    amin = _per_bucket(np.maximum, view, "min_area_m2", rows, bounds)
+    amax = _per_bucket(np.minimum, view, "max_area_m2", rows, bounds)
     lon0, lon1 = group_extents(lon_key, bounds)
     lat0, lat1 = group_extents(lat_key, bounds)
     return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1)
