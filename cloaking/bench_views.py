@@ -10,7 +10,8 @@ For each snapshot cloaker, on one position index holding the whole population: m
 Both views are then cloaked with ``cloak_batch`` on a sample of users and compared (any difference
 is reported as a mismatch; there must be none). After the batches, single calls on the last
 incremental view are timed. The process's resident memory is read before and after the index is
-built and at the end (peak too).
+built and at the end (peak too). Beside its wall time, the incremental view's process CPU time is
+reported (``incremental_cpu_ms``: on a shared host, other jobs inflate the one, not the other).
 """
 
 from __future__ import annotations
