@@ -96,6 +96,9 @@ class ViewDelta:
     """Index rows of the points that left (one entry per point; empty when not recorded)."""
     added_rows: I64 = field(default_factory=_no_rows)
     """Index rows of the points that entered."""
+    profile_rows: I64 = field(default_factory=_no_rows)
+    """Index rows whose stored profile or salt was written in this step (present or not; a superset
+    of the rows whose values changed)."""
 
     def __len__(self) -> int:
         return len(self.removed_lon_key) + len(self.added_lon_key)
@@ -113,6 +116,7 @@ class ViewDelta:
             np.concatenate([d.added_lat_key for d in steps]),
             np.concatenate([d.removed_rows for d in steps]),
             np.concatenate([d.added_rows for d in steps]),
+            np.concatenate([d.profile_rows for d in steps]),
         )
 
 
@@ -137,9 +141,10 @@ class CurveStep:
 @dataclass(frozen=True, slots=True)
 class ViewCurve:
     """A view's users in Hilbert order: view ``rows`` by level-29 value ``hv`` (ascending, equal values
-    in no particular order), and the ``delta`` since the previous snapshot of the same index."""
+    in no particular order; int32 or int64), and the ``delta`` since the previous snapshot of the
+    same index."""
 
-    rows: I64
+    rows: I64 | I32
     hv: I64
     lon_key: I64
     lat_key: I64
@@ -190,6 +195,10 @@ class CurveOrder:
         self._lk_sorted: I64 = np.zeros(0, np.int64)
         self._tk_sorted: I64 = np.zeros(0, np.int64)
         self._recent: deque[ViewDelta] = deque(maxlen=self.KEEP_DELTAS)
+        self.key_undo: list[tuple[int, I64, I64, I64]] = []
+        """``(seq, rows, lon keys, lat keys)``: the keys those index rows had at snapshot ``seq``,
+        before a later step changed them (for views that read their keys on first use; the index
+        drops entries no live view needs)."""
 
     @property
     def nbytes(self) -> int:
@@ -219,18 +228,24 @@ class CurveOrder:
         self.lat_key = grown(self.lat_key, 0)  # type: ignore[assignment]
         self._hv = grown(self._hv, 0)  # type: ignore[assignment]
 
-    def advance(self, lat: F64, lon: F64, present: BoolArray, touched: I64) -> CurveStep:
+    def advance(
+        self, lat: F64, lon: F64, present: BoolArray, touched: I64, profile_rows: I64 | None = None
+    ) -> CurveStep:
         """Bring the order up to the index's columns (rows ``0 … n−1``) and take one snapshot's step.
 
         ``touched``: the rows (ascending) whose fix may have changed since the previous step; rows
         from the previous step's ``n`` on are new and taken whatever it says. A touched row moved
         if its exact coordinate keys changed (a move within one micro-degree changes no key, no
-        Hilbert value and no delta). The order keeps no copy of the coordinates.
+        Hilbert value and no delta). The order keeps no copy of the coordinates. ``profile_rows``
+        go into the step's delta as they are.
+
+        The sorted arrays are never written in place (each change makes new ones), so a step's
+        arrays stay valid; when every row is present they are the order's own, not copies.
         """
         n = len(lat)
         m = self._n
         if n > m:
-            touched = np.union1d(touched, np.arange(m, n, dtype=np.int64))
+            touched = np.concatenate([touched[touched < m], np.arange(m, n, dtype=np.int64)])  # ascending
         self._grow(n)
         lk_t = coordinate_keys(lon[touched])
         tk_t = coordinate_keys(lat[touched])
@@ -246,6 +261,9 @@ class CurveOrder:
         if len(changed):
             lk, tk = lk_t[differ], tk_t[differ]
             hv = hilbert_indices(grid_coords(lk, "lon"), grid_coords(tk, "lat"))
+            old = changed[changed < m]
+            if len(old):
+                self.key_undo.append((self.seq, old, self.lon_key[old], self.lat_key[old]))
             self.lon_key[changed] = lk
             self.lat_key[changed] = tk
             self._hv[changed] = hv
@@ -262,13 +280,33 @@ class CurveOrder:
                 self._hv_sorted = np.insert(base_hv, at, hv[o])
                 self._lk_sorted = np.insert(self._lk_sorted[keep], at, lk[o])
                 self._tk_sorted = np.insert(self._tk_sorted[keep], at, tk[o])
+            for a in (self._rows, self._hv_sorted, self._lk_sorted, self._tk_sorted):
+                a.setflags(write=False)
         self._n = n
         self._present[:n] = present
         self.seq += 1
         delta = ViewDelta(
-            self.source, self.seq, removed_lon, removed_lat, self.lon_key[entered], self.lat_key[entered], left, entered
+            self.source,
+            self.seq,
+            removed_lon,
+            removed_lat,
+            self.lon_key[entered],
+            self.lat_key[entered],
+            left,
+            entered,
+            profile_rows if profile_rows is not None else _no_rows(),
         )
         self._recent.append(delta)
+        if present.all():  # nobody to leave out: the order's own (never written) arrays
+            return CurveStep(
+                self._rows,
+                self._hv_sorted,
+                self.lon_key[:n],
+                self.lat_key[:n],
+                self._lk_sorted,
+                self._tk_sorted,
+                tuple(self._recent),
+            )
         p = present[self._rows]
         return CurveStep(
             self._rows[p],
@@ -279,6 +317,10 @@ class CurveOrder:
             self._tk_sorted[p],
             tuple(self._recent),
         )
+
+    def drop_key_undo(self, seq: int) -> None:
+        """Forget the keys kept for snapshots before ``seq`` (no live view reads them)."""
+        self.key_undo = [u for u in self.key_undo if u[0] >= seq]
 
 
 __all__ = ["CurveOrder", "CurveStep", "ViewCurve", "ViewDelta", "hilbert_indices"]

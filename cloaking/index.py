@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 import secrets
+import weakref
+from array import array
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any
@@ -76,6 +78,14 @@ class PositionIndex:
         self._removals = 0
         self._ids_shared = False  # a view reads self._ids: copy it before changing a row's user
         self._curve = CurveOrder()
+        # The journal (see _Journal): old values of the rows written since the latest snapshot.
+        self._profiled: npt.NDArray[np.bool_] = np.zeros(len(self._lat), bool)  # profile logged since then
+        self._fix_rows = array("q")
+        self._fix_vals = array("d")  # lat, lon, t of each logged row
+        self._profile_log: list[tuple[int, int, float, float, int]] = []
+        self._profile_rows = array("q")  # rows whose profile or salt was written since then
+        self._journal = _Journal()
+        self._present_rows: tuple[npt.NDArray[np.bool_], I64, npt.NDArray[np.int32]] | None = None
 
     def _alloc(self, capacity: int) -> None:
         n_old = len(self._lat)
@@ -99,7 +109,36 @@ class PositionIndex:
             max_area[:n_old] = self._max_area
             salt[:n_old] = self._salt
         self._lat, self._lon, self._t, self._alive, self._touched = lat, lon, t, alive, touched
+        profiled = np.zeros(capacity, bool)
+        if n_old:
+            profiled[:n_old] = self._profiled
+        self._profiled = profiled
         self._k, self._min_area, self._max_area, self._salt = k, min_area, max_area, salt
+
+    def _log_fix(self, row: int) -> None:
+        """Mark the row's fix as changed since the latest snapshot and, while a view of that snapshot
+        may read it, keep the fix that snapshot saw (before the first change only)."""
+        self._touched[row] = True
+        if self._journal.views:
+            self._fix_rows.append(row)
+            self._fix_vals.extend((self._lat.item(row), self._lon.item(row), self._t.item(row)))
+
+    def _log_profile(self, row: int) -> None:
+        """Keep the row's stored profile and salt as the latest snapshot saw them (once per snapshot)."""
+        if not self._profiled[row]:
+            self._profiled[row] = True
+            self._profile_rows.append(row)
+            if not self._journal.views:
+                return
+            self._profile_log.append(
+                (
+                    row,
+                    self._k.item(row),
+                    self._min_area.item(row),
+                    self._max_area.item(row),
+                    self._salt.item(row),
+                )
+            )
 
     def __len__(self) -> int:
         return len(self._row)
@@ -116,6 +155,7 @@ class PositionIndex:
             + self._t.nbytes
             + self._alive.nbytes
             + self._touched.nbytes
+            + self._profiled.nbytes
             + self._k.nbytes
             + self._min_area.nbytes
             + self._max_area.nbytes
@@ -133,6 +173,7 @@ class PositionIndex:
                 self._alloc(2 * len(self._lat))
             self._ids.append(user)
         self._row[user] = row
+        self._log_profile(row)
         self._alive[row] = True
         self._salt[row] = self._rng.integers(0, 2**63, dtype=np.uint64)
         self._k[row] = self.default_profile.k
@@ -151,10 +192,11 @@ class PositionIndex:
         row = self._row.get(user)
         if row is None:
             row = self._new_row(user)
+        if not self._touched[row]:
+            self._log_fix(row)
         self._lat[row] = lat
         self._lon[row] = lon
         self._t[row] = t
-        self._touched[row] = True
 
     def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> None:
         """Apply many fixes at once; for a user named twice the later item wins."""
@@ -173,6 +215,10 @@ class PositionIndex:
             last = {r: i for i, r in enumerate(rows)}
             keep = np.fromiter(last.values(), np.int64, len(last))
             idx, lat_a, lon_a, t_a = idx[keep], lat_a[keep], lon_a[keep], t_a[keep]
+        if self._journal.views:
+            first = idx[~self._touched[idx]]
+            self._fix_rows.frombytes(first.astype(np.int64).tobytes())
+            self._fix_vals.frombytes(np.stack([self._lat[first], self._lon[first], self._t[first]], axis=1).tobytes())
         self._lat[idx] = lat_a
         self._lon[idx] = lon_a
         self._t[idx] = t_a
@@ -190,6 +236,8 @@ class PositionIndex:
         self._own_ids()
         self._ids[row] = ""
         self._removals += 1
+        if not self._touched[row]:
+            self._log_fix(row)
         self._alive[row] = False
         self._t[row] = -np.inf
         self._free.append(row)
@@ -200,6 +248,9 @@ class PositionIndex:
         if row is None:
             row = self._new_row(user)
         p = profile if profile is not None else self.default_profile
+        if self._k[row] == p.k and self._min_area[row] == p.min_area_m2 and self._max_area[row] == p.max_area_m2:
+            return
+        self._log_profile(row)
         self._k[row] = p.k
         self._min_area[row] = p.min_area_m2
         self._max_area[row] = p.max_area_m2
@@ -218,43 +269,96 @@ class PositionIndex:
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``).
 
-        The view comes with its exact coordinate keys and its users in Hilbert order, taken from
-        the index's :class:`~kcloak.cloaking.curve.CurveOrder` (patched with the fixes applied
-        since the previous snapshot), and with what changed since that snapshot.
+        The view comes with its users in Hilbert order, taken from the index's
+        :class:`~kcloak.cloaking.curve.CurveOrder` (patched with the fixes applied since the
+        previous snapshot), and with what changed since that snapshot. It copies no column: each
+        (``lat`` … ``salt``, the exact keys) is read from the index on first use, with the values
+        the rows had at this snapshot (the index keeps the old values of the rows written since,
+        for as long as a view may read them: :class:`_Journal`).
         """
         n = len(self._ids)
         present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
-        rows = np.flatnonzero(present)
+        kept = self._present_rows
+        if kept is not None and len(kept[0]) == n and np.array_equal(kept[0], present):
+            rows, view_of = kept[1], kept[2]  # the same users as the previous view: same numbering
+        else:
+            rows = np.flatnonzero(present)
+            if len(rows) == n:
+                view_of = np.arange(n, dtype=np.int32)
+            else:
+                view_of = np.full(n, -1, np.int32)  # index row → view row (int32: 4 B/user)
+                view_of[rows] = np.arange(len(rows), dtype=np.int32)
+            for a in (present, rows, view_of):
+                a.setflags(write=False)
+            self._present_rows = (present, rows, view_of)
         touched = np.flatnonzero(self._touched[:n])
         self._touched[touched] = False
-        step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched)
+        before = self._curve.seq
+        self._journal.freeze(before, self._fix_rows, self._fix_vals, self._profile_log)
+        profile_rows = np.frombuffer(self._profile_rows, np.int64).copy()
+        self._profiled[profile_rows] = False
+        self._fix_rows, self._fix_vals, self._profile_log = array("q"), array("d"), []
+        self._profile_rows = array("q")
+        step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched, profile_rows)
         self._ids_shared = True
-        view_of = np.full(n, -1, np.int32)  # index row → view row (int32: 4 B/user)
-        view_of[rows] = np.arange(len(rows), dtype=np.int32)
+        columns = _Columns(self, self._curve.seq, rows, present)
+        self._journal.views.append(weakref.ref(columns))
+        oldest = self._journal.prune()
+        self._curve.drop_key_undo(oldest)
         view = IndexView(
             user_ids=None,
-            lat=self._lat[rows],
-            lon=self._lon[rows],
-            t=self._t[rows],
-            k=self._k[rows].astype(np.int64),
-            min_area_m2=self._min_area[rows],
-            max_area_m2=self._max_area[rows],
-            salt=self._salt[rows],
+            lat=None,
+            lon=None,
+            t=None,
             now=now,
             epoch=epoch,
             seed=seed,
             lookup=_IndexLookup(self, self._ids, rows, view_of),
+            columns=columns,
         )
-        lon_key, lat_key = step.lon_key[rows], step.lat_key[rows]
-        lon_key.setflags(write=False)
-        lat_key.setflags(write=False)
-        view.__dict__["lon_key"] = lon_key
-        view.__dict__["lat_key"] = lat_key
-        curve_rows = view_of[step.rows].astype(np.int64)
-        for a in (curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key):
-            a.setflags(write=False)
+        if len(rows) == n:  # view rows are index rows
+            curve_rows = step.rows
+        else:
+            curve_rows = view_of[step.rows]
+            curve_rows.setflags(write=False)
         view.curve = ViewCurve(curve_rows, step.hv, step.sorted_lon_key, step.sorted_lat_key, step.recent)
         return view
+
+    def _gather(self, name: str, seq: int, rows: I64, ascending: bool) -> npt.NDArray[Any]:
+        """Column ``name`` of the index rows ``rows`` (distinct; ``ascending``: in ascending order) as
+        snapshot ``seq`` saw them."""
+        if name in ("lon_key", "lat_key"):
+            base = self._curve.lon_key if name == "lon_key" else self._curve.lat_key
+            out: npt.NDArray[Any] = base[rows]
+            undo: list[Undo] = [(g, r, lk if name == "lon_key" else tk) for g, r, lk, tk in self._curve.key_undo]
+        else:
+            out = getattr(self, _COLUMN[name])[rows]
+            if name == "k":
+                out = out.astype(np.int64)
+            undo = self._journal.entries(name, self._fix_rows, self._fix_vals, self._profile_log, self._curve.seq)
+        undo = [u for u in undo if u[0] >= seq]
+        if not undo or not len(rows):
+            return out
+        by = None if ascending else np.argsort(rows)
+        srt = rows if by is None else rows[by]
+        for _, r, values in reversed(undo):  # newest first: the oldest at or after seq wins
+            at = np.minimum(np.searchsorted(srt, r), len(srt) - 1)
+            hit = srt[at] == r
+            out[at[hit] if by is None else by[at[hit]]] = values[hit]
+        return out
+
+    def _profile_range(self, name: str, seq: int, present: npt.NDArray[np.bool_]) -> tuple[float, float] | None:
+        """Smallest and largest value of a stored-profile column (``k``, ``min_area_m2``,
+        ``max_area_m2``) among the rows ``present`` at snapshot ``seq``, read on the index's column
+        without a copy, when no stored profile was written since (None: read the view's column)."""
+        if self._profile_rows or any(g >= seq for g, _, _ in self._journal.profiles):
+            return None
+        n = len(present)
+        if not present.any():
+            return (0.0, 0.0)
+        col = getattr(self, _COLUMN[name])[:n]
+        top, bottom = (np.inf, -np.inf) if col.dtype.kind == "f" else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
+        return float(np.min(col, where=present, initial=top)), float(np.max(col, where=present, initial=bottom))
 
     def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
@@ -280,6 +384,124 @@ class PositionIndex:
     def curve_nbytes(self) -> int:
         """Bytes held by the Hilbert order kept between views."""
         return self._curve.nbytes
+
+
+_COLUMN = {
+    "lat": "_lat",
+    "lon": "_lon",
+    "t": "_t",
+    "k": "_k",
+    "min_area_m2": "_min_area",
+    "max_area_m2": "_max_area",
+    "salt": "_salt",
+}
+_FIX_COLUMNS = ("lat", "lon", "t")
+_PROFILE_COLUMNS = ("k", "min_area_m2", "max_area_m2", "salt")
+_PROFILE_DTYPES = (np.int32, np.float64, np.float64, np.uint64)
+
+Undo = tuple[int, I64, npt.NDArray[Any]]
+
+
+class _Journal:
+    """Old values of index rows, so that views read the index's columns instead of copying them.
+
+    Between snapshot ``g`` and the next, the index logs each row's fix (``lat``, ``lon``, ``t``)
+    before its first change, and its stored profile and salt before their first change: the values
+    snapshot ``g`` saw. At the next snapshot that log is frozen as generation ``g``. A view of
+    snapshot ``g`` reads a column as the index's current values, overwritten by the logs of
+    generations ``≥ g``, newest first (the oldest such log holds the value at ``g``). Logs older
+    than every live view that still has a column to read are dropped at each snapshot.
+    """
+
+    __slots__ = ("fixes", "profiles", "views")
+
+    def __init__(self) -> None:
+        self.fixes: list[tuple[int, I64, F64]] = []  # (generation, rows, (m, 3) lat/lon/t)
+        self.profiles: list[tuple[int, I64, tuple[npt.NDArray[Any], ...]]] = []
+        self.views: list[weakref.ref[_Columns]] = []
+
+    def freeze(
+        self,
+        gen: int,
+        fix_rows: array[int],
+        fix_vals: array[float],
+        profile_log: list[tuple[int, int, float, float, int]],
+    ) -> None:
+        """Keep the current logs as generation ``gen`` (if a view may need them)."""
+        if not self.views:
+            return
+        if len(fix_rows):
+            self.fixes.append((gen, np.frombuffer(fix_rows, np.int64), np.frombuffer(fix_vals).reshape(-1, 3)))
+        if profile_log:
+            rows = np.fromiter((e[0] for e in profile_log), np.int64, len(profile_log))
+            cols = tuple(
+                np.fromiter((e[i + 1] for e in profile_log), dt, len(profile_log))
+                for i, dt in enumerate(_PROFILE_DTYPES)
+            )
+            self.profiles.append((gen, rows, cols))
+
+    def prune(self) -> int:
+        """Drop the views that are gone or read everything, and the logs none of the others needs;
+        returns the oldest generation still needed."""
+        live = [ref for ref in self.views if (c := ref()) is not None and c.pending]
+        self.views = live
+        gens = [c.seq for ref in live if (c := ref()) is not None]
+        oldest = min(gens) if gens else 1 << 62
+        self.fixes = [e for e in self.fixes if e[0] >= oldest]
+        self.profiles = [e for e in self.profiles if e[0] >= oldest]
+        return oldest
+
+    def entries(
+        self,
+        name: str,
+        fix_rows: array[int],
+        fix_vals: array[float],
+        profile_log: list[tuple[int, int, float, float, int]],
+        current: int,
+    ) -> list[Undo]:
+        """The logs of column ``name``, oldest first, the current (not yet frozen) one last."""
+        if name in _FIX_COLUMNS:
+            i = _FIX_COLUMNS.index(name)
+            out: list[Undo] = [(g, r, v[:, i]) for g, r, v in self.fixes]
+            if len(fix_rows):
+                out.append((current, np.frombuffer(fix_rows, np.int64), np.frombuffer(fix_vals)[i::3]))
+            return out
+        i = _PROFILE_COLUMNS.index(name)
+        out = [(g, r, cols[i]) for g, r, cols in self.profiles]
+        if profile_log:
+            rows = np.fromiter((e[0] for e in profile_log), np.int64, len(profile_log))
+            out.append((current, rows, np.fromiter((e[i + 1] for e in profile_log), _PROFILE_DTYPES[i], len(rows))))
+        return out
+
+
+class _Columns:
+    """Where a view of a :class:`PositionIndex` reads its columns from, on first use."""
+
+    __slots__ = ("__weakref__", "index", "pending", "present", "rows", "seq")
+
+    def __init__(self, index: PositionIndex, seq: int, rows: I64, present: npt.NDArray[np.bool_]) -> None:
+        self.index: PositionIndex | None = index
+        self.seq = seq
+        self.rows = rows
+        self.present = present
+        self.pending = {*_COLUMN, "lon_key", "lat_key"}
+
+    def gather(self, name: str) -> npt.NDArray[Any]:
+        index = self.index
+        assert index is not None, "every column was read already"
+        out = index._gather(name, self.seq, self.rows, True)
+        out.setflags(write=False)
+        self.pending.discard(name)
+        if not self.pending:
+            self.index = None
+        return out
+
+    def gather_at(self, name: str, view_rows: I64) -> npt.NDArray[Any]:
+        assert self.index is not None
+        return self.index._gather(name, self.seq, self.rows[view_rows], False)
+
+    def profile_range(self, name: str) -> tuple[float, float] | None:
+        return None if self.index is None else self.index._profile_range(name, self.seq, self.present)
 
 
 class _IndexLookup:
@@ -328,9 +550,9 @@ class IndexView:
         self,
         *,
         user_ids: list[str] | None,
-        lat: F64,
-        lon: F64,
-        t: F64,
+        lat: F64 | None,
+        lon: F64 | None,
+        t: F64 | None,
         k: I64 | None = None,
         min_area_m2: F64 | None = None,
         max_area_m2: F64 | None = None,
@@ -339,6 +561,7 @@ class IndexView:
         epoch: int = 0,
         seed: int = 0,
         lookup: _IndexLookup | None = None,
+        columns: _Columns | None = None,
     ) -> None:
         if user_ids is None and lookup is None:
             raise ValueError("IndexView: user_ids are required")
@@ -346,23 +569,29 @@ class IndexView:
         self._user_ids = user_ids
         self._lookup = lookup
         self._n = n
-        self.lat = np.asarray(lat, dtype=np.float64)
-        self.lon = np.asarray(lon, dtype=np.float64)
-        self.t = np.asarray(t, dtype=np.float64)
-        self.k = np.asarray(k if k is not None else np.full(n, _DEFAULT.k), dtype=np.int64)
-        self.min_area_m2 = np.asarray(
-            min_area_m2 if min_area_m2 is not None else np.full(n, _DEFAULT.min_area_m2), dtype=np.float64
-        )
-        self.max_area_m2 = np.asarray(
-            max_area_m2 if max_area_m2 is not None else np.full(n, _DEFAULT.max_area_m2), dtype=np.float64
-        )
-        if salt is None:
-            salt = np.array([hash_user(u) for u in self.user_ids], dtype=np.uint64)
-        self.salt = np.asarray(salt, dtype=np.uint64)
-        for a in (self.lat, self.lon, self.t, self.k, self.min_area_m2, self.max_area_m2, self.salt):
-            if len(a) != n:
-                raise ValueError("IndexView: every column must have one entry per user")
-            a.setflags(write=False)
+        self._columns = columns
+        if columns is None:
+            if lat is None or lon is None or t is None:
+                raise ValueError("IndexView: lat, lon and t are required")
+            cols = self.__dict__
+            cols["lat"] = np.asarray(lat, dtype=np.float64)
+            cols["lon"] = np.asarray(lon, dtype=np.float64)
+            cols["t"] = np.asarray(t, dtype=np.float64)
+            cols["k"] = np.asarray(k if k is not None else np.full(n, _DEFAULT.k), dtype=np.int64)
+            cols["min_area_m2"] = np.asarray(
+                min_area_m2 if min_area_m2 is not None else np.full(n, _DEFAULT.min_area_m2), dtype=np.float64
+            )
+            cols["max_area_m2"] = np.asarray(
+                max_area_m2 if max_area_m2 is not None else np.full(n, _DEFAULT.max_area_m2), dtype=np.float64
+            )
+            if salt is None:
+                salt = np.array([hash_user(u) for u in self.user_ids], dtype=np.uint64)
+            cols["salt"] = np.asarray(salt, dtype=np.uint64)
+            for name in ("lat", "lon", "t", "k", "min_area_m2", "max_area_m2", "salt"):
+                a = cols[name]
+                if len(a) != n:
+                    raise ValueError("IndexView: every column must have one entry per user")
+                a.setflags(write=False)
         self.now = now
         self.epoch = epoch
         self.seed = seed
@@ -370,6 +599,67 @@ class IndexView:
         """Per-view state of cloakers, keyed by whatever the cloaker chooses."""
         self.curve: ViewCurve | None = None
         """Rows in Hilbert order and the change since the previous view, when the index keeps them."""
+
+    # Columns (read-only, one entry per view row). A view of a PositionIndex reads each from the
+    # index on first use (the values at its snapshot); other views are given them.
+    @cached_property
+    def lat(self) -> F64:
+        return self._gathered("lat")
+
+    @cached_property
+    def lon(self) -> F64:
+        return self._gathered("lon")
+
+    @cached_property
+    def t(self) -> F64:
+        return self._gathered("t")
+
+    @cached_property
+    def k(self) -> I64:
+        """Stored k of each user."""
+        return self._gathered("k")
+
+    @cached_property
+    def min_area_m2(self) -> F64:
+        return self._gathered("min_area_m2")
+
+    @cached_property
+    def max_area_m2(self) -> F64:
+        return self._gathered("max_area_m2")
+
+    @cached_property
+    def salt(self) -> npt.NDArray[np.uint64]:
+        """Random per-user tie-break salt."""
+        return self._gathered("salt")
+
+    def _gathered(self, name: str) -> npt.NDArray[Any]:
+        assert self._columns is not None
+        return self._columns.gather(name)
+
+    def column_at(self, name: str, rows: I64) -> npt.NDArray[Any]:
+        """``getattr(view, name)[rows]`` (a column or ``lon_key``/``lat_key``) without reading the
+        whole column when it was not read yet."""
+        if name in self.__dict__ or self._columns is None or self._columns.index is None:
+            out: npt.NDArray[Any] = getattr(self, name)[rows]
+            return out
+        return self._columns.gather_at(name, np.asarray(rows, dtype=np.int64))
+
+    @cached_property
+    def k_max(self) -> int:
+        """Largest stored k of the view's users (0 for an empty view)."""
+        return int(self.profile_range("k")[1])
+
+    def profile_range(self, name: str) -> tuple[float, float]:
+        """Smallest and largest value of ``k``, ``min_area_m2`` or ``max_area_m2`` over the view's
+        users ((0, 0) for an empty view), without reading the whole column when it was not read yet."""
+        if not self._n:
+            return (0.0, 0.0)
+        if self._columns is not None and name not in self.__dict__:
+            got = self._columns.profile_range(name)
+            if got is not None:
+                return got
+        col = getattr(self, name)
+        return float(col.min()), float(col.max())
 
     @classmethod
     def from_points(
@@ -436,12 +726,16 @@ class IndexView:
     @cached_property
     def lon_key(self) -> I64:
         """Exact integer keys of the longitudes (see :mod:`kcloak.core.geometry`)."""
+        if self._columns is not None:
+            return self._gathered("lon_key")
         k = coordinate_keys(self.lon)
         k.setflags(write=False)
         return k
 
     @cached_property
     def lat_key(self) -> I64:
+        if self._columns is not None:
+            return self._gathered("lat_key")
         k = coordinate_keys(self.lat)
         k.setflags(write=False)
         return k

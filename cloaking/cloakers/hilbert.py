@@ -11,8 +11,10 @@ super-bucket, chosen so that reciprocity still holds for everyone sending the sa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -125,12 +127,13 @@ def hilbert_sort(hv: I64, tie: U64) -> I64:
     return order
 
 
-def order_ties(rows: I64, hv_sorted: I64, salt: U64, seed: int) -> I64 | None:
+def order_ties(rows: I64, hv_sorted: I64, salt: U64 | Callable[[I64], U64], seed: int) -> I64 | None:
     """How to put rows already ordered by Hilbert value (equal values in any order) in
     :func:`hilbert_sort`'s order with ``tie_keys(salt, seed)``: runs of equal values by ``(tie, row)``.
 
     Returns the permutation of positions (``rows[perm]`` is that order), or None when no value
-    repeats. Only the tied runs are sorted, and only their tie keys computed.
+    repeats. Only the tied runs are sorted, and only their tie keys computed. ``salt``: the salt of
+    every row, or a function giving the salts of given rows.
     """
     eq = hv_sorted[1:] == hv_sorted[:-1]
     if not eq.any():
@@ -141,7 +144,8 @@ def order_ties(rows: I64, hv_sorted: I64, salt: U64, seed: int) -> I64 | None:
     pos = np.flatnonzero(tied)
     sub = rows[pos]
     perm = np.arange(len(rows), dtype=np.int64)
-    perm[pos] = pos[np.lexsort((sub, tie_keys(salt[sub], seed), hv_sorted[pos]))]
+    salts = salt(sub) if callable(salt) else salt[sub]
+    perm[pos] = pos[np.lexsort((sub, tie_keys(salts, seed), hv_sorted[pos]))]
     return perm
 
 
@@ -552,12 +556,14 @@ class _Carry:
         return out
 
 
-def _per_bucket(op: np.ufunc, column: F64, rows: I64, bounds: I64) -> F64:
-    """``op`` over each bucket's values of a view column (one value for all when the column is constant)."""
-    lo, hi = (float(column.min()), float(column.max())) if len(column) else (0.0, 0.0)
+def _per_bucket(op: np.ufunc, view: IndexView, name: str, rows: I64, bounds: I64) -> F64:
+    """``op`` over each bucket's values of a view's profile column (one value for all when the
+    column is constant; otherwise only the given rows' values are read)."""
+    lo, hi = view.profile_range(name)
     if lo == hi:
         return np.full(len(bounds) - 1, lo)
-    out: F64 = op.reduceat(column[rows], bounds[:-1])
+    values = getattr(view, name)[rows] if len(rows) == len(view) else view.column_at(name, rows)
+    out: F64 = op.reduceat(values, bounds[:-1])
     return out
 
 
@@ -583,7 +589,7 @@ class Buckets:
     seg_pos: I64
     seg_b: I64
     bounds: I64
-    bucket_of: I64
+    bucket_of: npt.NDArray[np.int32]
     sizes: I64
     amin: F64
     amax: F64
@@ -595,53 +601,61 @@ class Buckets:
 
 
 class _BucketCarry:
-    """A view's :class:`Buckets` with the view columns they depend on, for the next view of the index."""
+    """A view's :class:`Buckets` with what the next view of the same index needs to re-use them: the
+    view's index rows (view row → index row and back) and its tie seed. No column is kept: the
+    index's delta names the rows whose stored profile or salt was written in between."""
 
-    __slots__ = ("buckets", "k", "max_area", "min_area", "rows", "salt", "seed")
+    __slots__ = ("buckets", "rows", "seed", "view_of")
 
     def __init__(self, buckets: Buckets, view: IndexView) -> None:
         self.buckets = buckets
-        self.k = view.k
-        self.min_area = view.min_area_m2
-        self.max_area = view.max_area_m2
-        self.salt = view.salt
         self.seed = view.seed
-        self.rows = view._lookup.rows if view._lookup is not None else None
+        link = view.index_rows
+        self.rows: I64 | None = link[0] if link is not None else None
+        self.view_of: npt.NDArray[np.int32] | None = link[1] if link is not None else None
 
-    def dirty_hv(self, view: IndexView, delta: ViewDelta, hv_sorted: I64) -> I64 | None:
-        """Hilbert values (level 29) around which segments may have changed since this carry's view:
-        the points that left or entered, users whose stored profile or salt changed, and every tie
-        when the seed changed. None when the view's rows stand for other index rows (a user arrived
-        or left): then every segment is cut again."""
-        lookup = view._lookup
+    def dirty_hv(self, view: IndexView, delta: ViewDelta, hv_sorted: I64) -> tuple[I64, I64 | None] | None:
+        """Hilbert values (level 29) around which segments may have changed since this carry's view
+        (the points that left or entered, users whose stored profile or salt was written, and every
+        tie when the seed changed), and the previous view's row of each of ``view``'s rows when the
+        rows were renumbered (users arrived, left or went stale; −1 for a row new to the view).
+        None when nothing can be re-used."""
+        link = view.index_rows
         b = self.buckets
         if (
-            lookup is None
+            link is None
             or self.rows is None
-            or len(lookup.rows) != len(self.rows)
+            or self.view_of is None
             or (len(b.bounds) and int(b.bounds[-1]) != len(b.bucket_of))  # somebody was not placed
-            or not np.array_equal(lookup.rows, self.rows)
         ):
             return None
-        changed = (view.k != self.k) | (view.salt != self.salt)
-        changed |= view.min_area_m2 != self.min_area
-        changed |= view.max_area_m2 != self.max_area
-        at = np.flatnonzero(changed)
-        lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key, view.lon_key[at]])
-        lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key, view.lat_key[at]])
+        rows, view_of = link
+        remap: I64 | None = None
+        if rows is not self.rows and not np.array_equal(rows, self.rows):
+            old_of = self.view_of
+            inside = rows < len(old_of)
+            remap = np.full(len(rows), -1, np.int64)
+            remap[inside] = old_of[rows[inside]]
+        pr = delta.profile_rows
+        pr = pr[pr < len(view_of)]
+        vr = view_of[pr]
+        at: I64 = vr[vr >= 0].astype(np.int64)
+        lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key, view.column_at("lon_key", at)])
+        lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key, view.column_at("lat_key", at)])
         hv = hilbert_indices(grid_coords(lon, "lon"), grid_coords(lat, "lat"))
         if view.seed != self.seed:  # tied users are put in a new order
             tied = hv_sorted[1:] == hv_sorted[:-1]
             hv = np.concatenate([hv, hv_sorted[1:][tied]])
-        return hv
+        return hv, remap
 
 
 def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, bounds: I64) -> tuple[F64, F64, I64]:
-    """Largest stored A_min, smallest max area and MBR of each bucket of ``rows`` (curve order)."""
+    """Largest stored A_min, smallest max area and MBR of each bucket of ``rows`` (curve order; the
+    whole view's or, when few, only those rows' profile values are read)."""
     if len(bounds) < 2:
         return np.zeros(0), np.zeros(0), np.zeros((0, 4), np.int64)
-    amin = _per_bucket(np.maximum, view.min_area_m2, rows, bounds)
-    amax = _per_bucket(np.minimum, view.max_area_m2, rows, bounds)
+    amin = _per_bucket(np.maximum, view, "min_area_m2", rows, bounds)
+    amax = _per_bucket(np.minimum, view, "max_area_m2", rows, bounds)
     lon0, lon1 = group_extents(lon_key, bounds)
     lat0, lat1 = group_extents(lat_key, bounds)
     return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1)
@@ -656,6 +670,7 @@ def segment_buckets(
     factor: int,
     prev: _BucketCarry | None = None,
     dirty_hv: I64 | None = None,
+    remap: I64 | None = None,
 ) -> Buckets:
     """The buckets of a view whose users are ``rows`` in curve order (values ``hv_sorted``, exact
     coordinate keys ``keys_sorted``).
@@ -663,10 +678,11 @@ def segment_buckets(
     Segments come from :func:`curve_segments` with :func:`segment_threshold` (``factor`` 0: one
     chain over everyone). With the previous view's carry and the values around which anything
     changed (``dirty_hv``), a segment with the same bounds, the same population and no changed
-    value keeps its buckets (positions shifted); the others are cut again.
+    value keeps its buckets (positions shifted); the others are cut again. ``remap``: the previous
+    view's row of each view row when the rows were renumbered (None: the same rows).
     """
     n = len(rows)
-    threshold = segment_threshold(int(view.k.max()) if n else 1, factor)
+    threshold = segment_threshold(view.k_max if n else 1, factor)
     seg_lo = curve_segments(hv_sorted, order, threshold)
     seg_pos = np.append(np.searchsorted(hv_sorted, seg_lo), n).astype(np.int64)
     s = len(seg_lo)
@@ -693,7 +709,7 @@ def segment_buckets(
             bounds = np.append(partition_segments(k, seg_pos[:-1], _bucket_ends(k, int(k.max()))), n)
         nb = len(bounds) - 1
         sizes = np.diff(bounds)
-        bucket_of = np.full(n, -1, np.int64)
+        bucket_of = np.full(n, -1, np.int32)  # int32: 4 B/user
         if nb:
             bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         seg_b = np.searchsorted(bounds, seg_pos).astype(np.int64) if nb else np.zeros(s + 1, np.int64)
@@ -709,7 +725,7 @@ def segment_buckets(
     d_start = np.cumsum(d_len) - d_len
     if len(dpos):
         d_rows = rows[dpos]
-        k = np.maximum(view.k[d_rows], 1)
+        k = np.maximum(view.column_at("k", d_rows), 1)
         local = partition_segments(k, d_start, _bucket_ends(k, int(k.max())))
     else:
         d_rows = dpos
@@ -746,9 +762,10 @@ def segment_buckets(
     mbr[nbi_c] = old.mbr[ob]
     mbr[nbi_d] = d_mbr
     # Each row's bucket: the kept buckets renumbered through a small table, the others written.
-    table = np.zeros(len(old.sizes), np.int64)
+    table = np.zeros(len(old.sizes), np.int32)
     table[ob] = nbi_c
-    bucket_of = table[old.bucket_of]  # table lookups: the table stays in cache
+    # table lookups: the table stays in cache (rows new to the view are all in re-cut segments)
+    bucket_of = table[old.bucket_of] if remap is None else table[old.bucket_of[remap]]
     bucket_of[d_rows] = np.repeat(nbi_d, d_sizes)
     return Buckets(seg_lo, seg_pos, seg_b, np.append(starts, n), bucket_of, sizes, amin, amax, mbr, nbi_c, ob)
 
@@ -774,11 +791,12 @@ class _HilbertState:
         curve = view.curve if order == GRID_BITS and view_rows is None else None
         if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
             hv_sorted = curve.hv
-            perm = order_ties(curve.rows, hv_sorted, view.salt, view.seed)
+            curve_rows = cast(I64, curve.rows)  # int32 or int64: both index alike (members are made int64)
+            perm = order_ties(curve_rows, hv_sorted, partial(view.column_at, "salt"), view.seed)
             if perm is None:
-                rows, lon_key_sorted, lat_key_sorted = curve.rows, curve.lon_key, curve.lat_key
+                rows, lon_key_sorted, lat_key_sorted = curve_rows, curve.lon_key, curve.lat_key
             else:
-                rows, lon_key_sorted, lat_key_sorted = curve.rows[perm], curve.lon_key[perm], curve.lat_key[perm]
+                rows, lon_key_sorted, lat_key_sorted = curve_rows[perm], curve.lon_key[perm], curve.lat_key[perm]
         else:
             shift = GRID_BITS - order
             hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
@@ -793,9 +811,10 @@ class _HilbertState:
         self.lat_key_sorted = lat_key_sorted
         prev = carry.buckets if carry is not None else None
         delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
-        dirty_hv = prev.dirty_hv(view, delta, hv_sorted) if prev is not None and delta is not None else None
+        dirty = prev.dirty_hv(view, delta, hv_sorted) if prev is not None and delta is not None else None
+        dirty_hv, remap = dirty if dirty is not None else (None, None)
         bk = segment_buckets(
-            view, rows, hv_sorted, (lon_key_sorted, lat_key_sorted), order, segment_factor, prev, dirty_hv
+            view, rows, hv_sorted, (lon_key_sorted, lat_key_sorted), order, segment_factor, prev, dirty_hv, remap
         )
         self.buckets: Buckets = bk
         """The buckets with their segments (what the next view re-uses where a segment is unchanged)."""
@@ -900,7 +919,7 @@ class _HilbertState:
 
     def bucket_members(self, b: int) -> I64:
         """Rows of bucket ``b``'s users (in :attr:`view_rows` when set)."""
-        r = self.rows[self.bounds[b] : self.bounds[b + 1]]
+        r = self.rows[self.bounds[b] : self.bounds[b + 1]].astype(np.int64)
         return r if self.view_rows is None else self.view_rows[r]
 
     def bucket_region(self, b: int, max_area_m2: float) -> CloakResult:
@@ -977,8 +996,8 @@ class _HilbertState:
             lon_k, lat_k = self.lon_key_sorted[lo:hi], self.lat_key_sorted[lo:hi]
             mbr = bbox_around_keys(int(lon_k.min()), int(lat_k.min()), int(lon_k.max()), int(lat_k.max()))
             deficient = np.repeat(self.size_arr[b0:b1] < k, self.size_arr[b0:b1])
-            anon = rows[deficient]
-            max_area = float(self.view.max_area_m2[anon].min()) if len(anon) else MAX_REGION_AREA_M2
+            anon = rows[deficient].astype(np.int64)
+            max_area = float(self.view.column_at("max_area_m2", anon).min()) if len(anon) else MAX_REGION_AREA_M2
             if self.view_rows is not None:
                 anon = self.view_rows[anon]
             anon.setflags(write=False)

@@ -131,6 +131,8 @@ CARRIED = [0]  # buckets carried over during the property's examples
 # cut these populations into several segments, 0 is one chain over everyone.
 FACTORS = st.sampled_from([8, 4, 1, 1, 2, 0])
 SEGMENTS_KEPT = [0]  # buckets of unchanged segments taken over by views in several segments
+RENUMBERED_KEPT = [0]  # … by views whose rows were renumbered (users arrived, left or went stale)
+_LAST_ROWS: dict[int, Any] = {}  # cloaker → index rows of the last view it prepared
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=SLOW_OK)
@@ -167,6 +169,11 @@ def hilbert_carried(cloaker: Any, view: IndexView) -> int:
     state = cloaker.state(view)
     segments = state.buckets
     SEGMENTS_KEPT[0] += len(segments.kept_new) if len(segments.seg_lo) > 1 else 0
+    rows = view.index_rows[0] if view.index_rows is not None else None
+    last = _LAST_ROWS.get(id(cloaker))
+    if rows is not None and last is not None and not np.array_equal(rows, last):
+        RENUMBERED_KEPT[0] += len(segments.kept_new)
+    _LAST_ROWS[id(cloaker)] = rows
     carried: int = state.carried
     return carried
 
@@ -265,6 +272,30 @@ def test_some_segments_were_kept() -> None:
         index.update("u3", 39.9 + 3e-3 + 1e-6, 116.4, T0 + 1)
         SEGMENTS_KEPT[0] = len(live.state(index.snapshot(T0 + 1, epoch=2, seed=1)).buckets.kept_new)
     assert SEGMENTS_KEPT[0] > 0
+
+
+def test_arrivals_and_departures_recut_only_their_segments() -> None:
+    """Users arriving, leaving and going stale renumber the view's rows; the segments none of them
+    touched keep their buckets, and every user still gets what a view built from nothing gives."""
+    first = [(f"u{i}", 39.9 + (i % 20) * 1e-3, 116.4 + (i // 20) * 1e-3, i % 4) for i in range(200)]
+    steps: list[
+        list[tuple[Any, ...]]
+    ] = [  # arrivals get their stored profile in the same step (a default k would change every segment)
+        [("leave", "u7"), ("arrive", "n1", 39.9 + 2e-3 + 4e-6, 116.4 + 3e-3, 0), ("profile", "n1", 1)],
+        [("arrive", "n2", 39.95, 116.45, 0), ("profile", "n2", 2), ("leave", "u60")],
+        [("arrive", "n3", 39.9 + 1e-3, 116.4 + 1e-3, 5), ("profile", "n3", 0), ("leave", "u100"), ("leave", "u151")],
+        [("age", "u1")],
+    ]
+    before = RENUMBERED_KEPT[0]
+    run_steps(first, steps, partial(HilbertCloak, segment_factor=1))
+    assert RENUMBERED_KEPT[0] > before
+
+
+def test_renumbered_views_kept_segments() -> None:
+    """Runs after the property above: views with renumbered rows kept some segments."""
+    if RENUMBERED_KEPT[0] == 0:
+        test_arrivals_and_departures_recut_only_their_segments()
+    assert RENUMBERED_KEPT[0] > 0
 
 
 def brute_bucket_ends(k: list[int]) -> list[int]:
