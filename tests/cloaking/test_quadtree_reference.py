@@ -251,8 +251,11 @@ def test_single_and_batch_equal_the_literal_algorithms(
     if name == "interval":
         cloaker: IntervalCloak | CasperCloak = IntervalCloak(depth_max=depth)
     else:
-        variant = "adaptive" if name == "casper-adaptive" else "basic"
-        cloaker = CasperCloak(variant=variant, tie="horizontal" if tie_h else "vertical", depth_max=depth)
+        cloaker = CasperCloak(
+            variant="adaptive" if name == "casper-adaptive" else "basic",
+            tie="horizontal" if tie_h else "vertical",
+            depth_max=depth,
+        )
     rows = data.draw(st.lists(st.integers(0, len(points) - 1), min_size=1, max_size=12))
     chosen = [data.draw(st.sampled_from(profiles)) for _ in rows]
     wants = []
