@@ -508,7 +508,8 @@ class AlignedStrips:
 
 def _aligned_odd(key: I64) -> npt.NDArray[np.bool_]:
     """Odd keys ``2·e − 1`` whose upper micro-degree ``e`` is a multiple of 2^ALIGN_BITS on the grid."""
-    out: npt.NDArray[np.bool_] = ((key & 1) == 1) & ((((key >> 1) + 1 + GRID_OFFSET) & ALIGN_MASK) == 0)
+    # key = 2·e − 1 with e + 2^28 ≡ 0 (mod 2^6)  ⇔  key + 1 + 2^29 ≡ 0 (mod 2^7) (which makes it odd)
+    out: npt.NDArray[np.bool_] = ((key + (1 + 2 * GRID_OFFSET)) & (2 * ALIGN_MASK + 1)) == 0
     return out
 
 
