@@ -27,6 +27,8 @@ from kcloak.cloaking.cloakers.interval import (
     KIND_CELL,
     KIND_HPAIR,
     KIND_VPAIR,
+    LAT_TOP_KEY,
+    LON_TOP_KEY,
     OUTSIDE_ROOT,
     ST_AREA,
     ST_K,
@@ -52,7 +54,7 @@ from kcloak.cloaking.cloakers.interval import (
     run_start,
     shortfall,
 )
-from kcloak.cloaking.grid import GRID_BITS
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import coordinate_key
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
@@ -90,9 +92,11 @@ def _casper_scalar(
     range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
     checked that the root holds ``k`` users; ``bottom`` is the level the climb starts from.
     """
-    pos, gxs, gys = qt.at_row or qt.row_columns()
-    gx = gxs[row]
-    gy = gys[row]
+    pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
+    kx = lon_keys[row]
+    ky = lat_keys[row]
+    gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
+    gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
     if a_min > 0 and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min:
         return None
     codes = qt.codes

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kcloak.cloaking.cloakers.base import Refusal, Region
 from kcloak.cloaking.cloakers.casper import CasperCloak
 from kcloak.cloaking.cloakers.interval import IntervalCloak
-from kcloak.cloaking.index import IndexView
+from kcloak.cloaking.index import IndexView, PositionIndex
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
 
 R_EARTH = 6_371_008.8  # contract §0
@@ -272,3 +272,42 @@ def test_single_and_batch_equal_the_literal_algorithms(
         batch = cloaker.cloak_batch(v, np.asarray(rows, np.int64), ProfileArrays.from_profiles(chosen))
         for i, want in enumerate(wants):
             check_batch(batch, i, want)
+
+
+def test_edge_strip_users_on_a_patched_view_equal_the_literal_algorithms() -> None:
+    """A view whose counts are patched from the previous one (users entering, leaving and moving
+    between the edge strips of the usual cells) still counts every strip user (§2.2)."""
+    base_lat, base_lon = 39_321_600, 116_326_400  # lower edges of cells of every level ≥ 13
+
+    def strip_user(i: int, j: int) -> Point:  # half a µdeg below a multiple of 2^8 µdeg on both axes
+        return float(f"{(base_lat + 256 * i - 0.5) / 1e6:.7f}"), float(f"{(base_lon + 256 * j - 0.5) / 1e6:.7f}")
+
+    def filler(i: int, j: int, d: int) -> Point:  # inside the 256 µdeg cell above-right of a grid point
+        return (base_lat + 256 * i + d) / 1e6, (base_lon + 256 * j + d + 4) / 1e6
+
+    index = PositionIndex(stale_after_s=60.0)
+    for u in range(108):  # per 256 µdeg cell: a user in the strips of the cells right of and above it, two inside
+        i, j, what = u // 3 % 6, u // 18, u % 3
+        index.update(f"u{u}", *(strip_user(i, j) if what == 0 else filler(i, j, 37 if what == 1 else 181)), 0.0)
+    moves = [("u0", strip_user(2, 5)), ("u3", strip_user(4, 1)), ("u51", strip_user(1, 3)), ("u6", filler(2, 2, 99))]
+    cloakers: list[IntervalCloak | CasperCloak] = [IntervalCloak(), CasperCloak(), CasperCloak(tie="vertical")]
+    for t, cloaker in enumerate(cloakers):
+        view = index.snapshot(10.0 * t, epoch=2 * t + 1, seed=1)
+        for row in range(len(view)):
+            cloaker.cloak(view, row, PrivacyProfile(k=3))
+        for user, (lat, lon) in moves:  # into and out of strips; few, so the counts are patched
+            index.update(user, lat, lon, 10.0 * t + 1)
+        index.remove(f"u{20 + t}")
+        index.update(f"new{t}", *strip_user(3, 6), 10.0 * t + 1)
+        view = index.snapshot(10.0 * t + 1, epoch=2 * t + 2, seed=2)
+        ref = Reference(list(zip(view.lat.tolist(), view.lon.tolist(), strict=True)))
+        for k in (2, 3, 4, 7):
+            profile = PrivacyProfile(k=k)
+            for row in range(len(view)):
+                if isinstance(cloaker, CasperCloak):
+                    want = expected(ref, ref.casper(row, k, 0.0, TOP, cloaker.tie == "horizontal"), profile)
+                else:
+                    want = expected(ref, ref.interval(row, k, 0.0, TOP), profile)
+                check(cloaker.cloak(view, row, profile), want)
+        assert cloaker.carried_over(view)
+        moves = [(user, strip_user(1 + t, 1)) for user, _ in moves]  # somewhere else for the next cloaker
