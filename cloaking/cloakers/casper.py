@@ -27,6 +27,8 @@ from kcloak.cloaking.cloakers.interval import (
     KIND_CELL,
     KIND_HPAIR,
     KIND_VPAIR,
+    LAT_TOP_KEY,
+    LON_TOP_KEY,
     OUTSIDE_ROOT,
     ST_AREA,
     ST_K,
@@ -52,7 +54,7 @@ from kcloak.cloaking.cloakers.interval import (
     run_start,
     shortfall,
 )
-from kcloak.cloaking.grid import GRID_BITS
+from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import coordinate_key
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
@@ -90,11 +92,16 @@ def _casper_scalar(
     range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
     checked that the root holds ``k`` users; ``bottom`` is the level the climb starts from.
     """
-    gx, gy = qt.grid(row)
+    pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
+    kx = lon_keys[row]
+    ky = lat_keys[row]
+    gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
+    gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
     if a_min > 0 and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min:
         return None
-    code, p = qt.locate(gx, gy)
     codes = qt.codes
+    p = pos[row]
+    code = codes[p]
     h = deepest_level(qt, p, code, gx, gy, k, a_min, root_level, bottom)
     if h < bottom:
         level = h + 1
@@ -180,6 +187,7 @@ class CasperArrays:
 
 def casper_arrays(
     qt: QuadtreeCounts,
+    p: I64,
     codes: U64,
     gx: I64,
     gy: I64,
@@ -189,7 +197,8 @@ def casper_arrays(
     bottom: I64,
     tie_h: bool,
 ) -> CasperArrays:
-    """Vectorized :func:`_casper_scalar` (requests already known to lie in a root holding ≥ k users)."""
+    """Vectorized :func:`_casper_scalar` (requests already known to lie in a root holding ≥ k users;
+    ``p``: an index of each one's code in ``qt.codes_array``)."""
     m = len(codes)
     root_level = root[0]
     s0 = GRID_BITS - root_level
@@ -198,7 +207,7 @@ def casper_arrays(
     if len(need):
         rx, ry = gx[need] >> s0, gy[need] >> s0
         ok[need] = cell_areas_m2(np.full(len(need), root_level, np.int64), rx, ry, rx, ry) >= a_min[need]
-    h = deepest_levels(qt, codes, gx, gy, k, a_min, np.full(m, root_level, np.int64), bottom)
+    h = deepest_levels(qt, p, codes, gx, gy, k, a_min, np.full(m, root_level, np.int64), bottom)
     level = h.copy()
     s = GRID_BITS - h
     cx0 = gx >> s
@@ -206,9 +215,12 @@ def casper_arrays(
     cx1 = cx0.copy()
     cy1 = cy0.copy()
     kind = np.full(m, KIND_CELL, np.int64)
-    lo, hi = cell_base(codes, h)
-    in_cells = range_counts(qt, lo, hi)
+    in_cells = np.empty(m, np.int64)
     cand = np.flatnonzero(ok & (h < bottom))
+    rest = np.flatnonzero(~ok | (h >= bottom))
+    if len(rest):
+        lo, hi = cell_base(codes[rest], h[rest])
+        in_cells[rest] = range_counts(qt, lo, hi)
     if len(cand):
         c = h[cand] + 1
         sc = GRID_BITS - c
@@ -220,6 +232,7 @@ def casper_arrays(
         bounds = np.empty((5, len(cand)), np.int64)
         for j in range(5):
             bounds[j, order] = np.searchsorted(qt.codes_array, (parent + np.uint64(j) * size)[order])
+        in_cells[cand] = bounds[4] - bounds[0]  # the own cell at h* is the parent
         children = np.diff(bounds, axis=0)  # (4, m) counts, child index q = (y bit << 1) | x bit
         q = ((codes[cand] >> sh) & np.uint64(3)).astype(np.int64)
         cols = np.arange(len(cand))
@@ -278,11 +291,13 @@ def leaf_levels(view: IndexView, root: Root, deepest: int, tie_h: bool) -> I64:
     k = view.k
     answer = np.full(n, root_level - 1, np.int64)
     order = qt.order
-    live = order[(inside & (qt.root_count(root) >= k))[order]]  # in code order: searchsorted walks forwards
+    at = np.flatnonzero((inside & (qt.root_count(root) >= k))[order])  # in code order: searches walk forwards
+    live = order[at]
     if len(live):
         arr = casper_arrays(
             qt,
-            view.morton[live],
+            at,
+            qt.codes_array[at],
             view.gx[live],
             view.gy[live],
             k[live],
@@ -392,7 +407,7 @@ class CasperCloak(QuadtreeCarrier):
         if len(rows) == 0:
             return out
         qt = self.counts(view)
-        live, codes, gx, gy = batch_prologue(qt, view, out, rows, profiles, self.root)
+        live, pos, codes, gx, gy = batch_prologue(qt, view, out, rows, profiles, self.root)
         k = profiles.k[live]
         a_min = profiles.min_area_m2[live]
         bottom = np.full(len(live), self._deepest, np.int64)
@@ -400,7 +415,7 @@ class CasperCloak(QuadtreeCarrier):
             r = rows[live]
             stricter = (k >= view.k[r]) & (a_min >= view.min_area_m2[r])
             bottom = np.where(stricter, leaf_levels(view, self.root, self._deepest, self._tie_h)[r], bottom)
-        arr = casper_arrays(qt, codes, gx, gy, k, a_min, self.root, bottom, self._tie_h)
+        arr = casper_arrays(qt, pos, codes, gx, gy, k, a_min, self.root, bottom, self._tie_h)
         failed = live[~arr.ok]
         out.status[failed] = np.where(profiles.k[failed] > qt.n, ST_K, ST_AREA)
         sel = np.flatnonzero(arr.ok)
