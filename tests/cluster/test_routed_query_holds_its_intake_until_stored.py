@@ -86,8 +86,11 @@ def test_the_intake_message_is_acknowledged_only_after_the_owner_stored_the_answ
 
         # 2. a silent owner: the query comes again, marked "again"; the router loses its pin: no ack, nothing held
         silent = Watch()
-        sub = await owner_nc.subscribe("kcloak.cellq.4", queue="kcloak", cb=silent.cb)
-        await owner_nc.flush()
+        # On the router's own node: its first request must find the subscriber (interest sent to other nodes
+        # may still be on its way, and a "no responders" there would make the first copy a resend).
+        local_nc = await nats.connect(servers=[nc.connected_url.geturl()])
+        sub = await local_nc.subscribe("kcloak.cellq.4", queue="kcloak", cb=silent.cb)
+        await local_nc.flush()
         dispatch.hold(102, "test.ack.102", 4, dict(routed, user="u2"), owner_check=owner_check, give_up=give_up)
         await settle(lambda: len(silent.got) >= 2)
         first, second = (json.loads(m[1]) for m in silent.got[:2])
@@ -97,6 +100,7 @@ def test_the_intake_message_is_acknowledged_only_after_the_owner_stored_the_answ
         await asyncio.sleep(1.0)
         assert len(acks.got) == 1, "a router that lost its pin acknowledged a query it had not seen stored"
         await sub.unsubscribe()
+        await local_nc.close()
         pinned["on"] = True
 
         # 3. nobody subscribed: no responders, resends with owner checks, then the give-up refusal and one ack
