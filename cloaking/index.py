@@ -80,8 +80,7 @@ class PositionIndex:
         self._curve = CurveOrder()
         # The journal (see _Journal): old values of the rows written since the latest snapshot.
         self._profiled: npt.NDArray[np.bool_] = np.zeros(len(self._lat), bool)  # profile logged since then
-        self._fix_rows = array("q")
-        self._fix_vals = array("d")  # lat, lon, t of each logged row
+        self._fixes_kept = True  # lat, lon, t as the latest snapshot saw them are kept (or unneeded)
         self._profile_log: list[tuple[int, int, float, float, int]] = []
         self._profile_rows = array("q")  # rows whose profile or salt was written since then
         self._journal = _Journal()
@@ -115,13 +114,14 @@ class PositionIndex:
         self._profiled = profiled
         self._k, self._min_area, self._max_area, self._salt = k, min_area, max_area, salt
 
-    def _log_fix(self, row: int) -> None:
-        """Mark the row's fix as changed since the latest snapshot and, while a view of that snapshot
-        may read it, keep the fix that snapshot saw (before the first change only)."""
-        self._touched[row] = True
-        if self._journal.views:
-            self._fix_rows.append(row)
-            self._fix_vals.extend((self._lat.item(row), self._lon.item(row), self._t.item(row)))
+    def _keep_fixes(self) -> None:
+        """Before the first fix written after a snapshot: copy ``lat``, ``lon``, ``t`` as that
+        snapshot saw them if a view of it may still read one of them (O(n) once per snapshot, so
+        that each write costs nothing more)."""
+        self._fixes_kept = True
+        if self._journal.reads_fixes():
+            n = len(self._ids)
+            self._journal.fixes.append((self._curve.seq, np.array((self._lat[:n], self._lon[:n], self._t[:n]))))
 
     def _log_profile(self, row: int) -> None:
         """Keep the row's stored profile and salt as the latest snapshot saw them (once per snapshot)."""
@@ -192,11 +192,12 @@ class PositionIndex:
         row = self._row.get(user)
         if row is None:
             row = self._new_row(user)
-        if not self._touched[row]:
-            self._log_fix(row)
+        if not self._fixes_kept:
+            self._keep_fixes()
         self._lat[row] = lat
         self._lon[row] = lon
         self._t[row] = t
+        self._touched[row] = True
 
     def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> None:
         """Apply many fixes at once; for a user named twice the later item wins."""
@@ -215,10 +216,8 @@ class PositionIndex:
             last = {r: i for i, r in enumerate(rows)}
             keep = np.fromiter(last.values(), np.int64, len(last))
             idx, lat_a, lon_a, t_a = idx[keep], lat_a[keep], lon_a[keep], t_a[keep]
-        if self._journal.views:
-            first = idx[~self._touched[idx]]
-            self._fix_rows.frombytes(first.astype(np.int64).tobytes())
-            self._fix_vals.frombytes(np.stack([self._lat[first], self._lon[first], self._t[first]], axis=1).tobytes())
+        if not self._fixes_kept:
+            self._keep_fixes()
         self._lat[idx] = lat_a
         self._lon[idx] = lon_a
         self._t[idx] = t_a
@@ -236,8 +235,9 @@ class PositionIndex:
         self._own_ids()
         self._ids[row] = ""
         self._removals += 1
-        if not self._touched[row]:
-            self._log_fix(row)
+        if not self._fixes_kept:
+            self._keep_fixes()
+        self._touched[row] = True
         self._alive[row] = False
         self._t[row] = -np.inf
         self._free.append(row)
@@ -294,16 +294,17 @@ class PositionIndex:
         touched = np.flatnonzero(self._touched[:n])
         self._touched[touched] = False
         before = self._curve.seq
-        self._journal.freeze(before, self._fix_rows, self._fix_vals, self._profile_log)
+        self._journal.freeze(before, self._profile_log)
         profile_rows = np.frombuffer(self._profile_rows, np.int64).copy()
         self._profiled[profile_rows] = False
-        self._fix_rows, self._fix_vals, self._profile_log = array("q"), array("d"), []
+        self._profile_log = []
         self._profile_rows = array("q")
         step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched, profile_rows)
         self._ids_shared = True
         columns = _Columns(self, self._curve.seq, rows, present)
         self._journal.views.append(weakref.ref(columns))
         oldest = self._journal.prune()
+        self._fixes_kept = False
         self._curve.drop_key_undo(oldest)
         view = IndexView(
             user_ids=None,
@@ -332,10 +333,17 @@ class PositionIndex:
             out: npt.NDArray[Any] = base[rows]
             undo: list[Undo] = [(g, r, lk if name == "lon_key" else tk) for g, r, lk, tk in self._curve.key_undo]
         else:
+            if name in _FIX_COLUMNS:  # the copy of the oldest generation at or after seq, if any
+                kept = [(g, v) for g, v in self._journal.fixes if g >= seq]
+                col: F64 = (
+                    min(kept, key=lambda e: e[0])[1][_FIX_COLUMNS.index(name)] if kept else getattr(self, _COLUMN[name])
+                )
+                fix: F64 = col[rows]
+                return fix
             out = getattr(self, _COLUMN[name])[rows]
             if name == "k":
                 out = out.astype(np.int64)
-            undo = self._journal.entries(name, self._fix_rows, self._fix_vals, self._profile_log, self._curve.seq)
+            undo = self._journal.entries(name, self._profile_log, self._curve.seq)
         undo = [u for u in undo if u[0] >= seq]
         if not undo or not len(rows):
             return out
@@ -405,40 +413,40 @@ Undo = tuple[int, I64, npt.NDArray[Any]]
 class _Journal:
     """Old values of index rows, so that views read the index's columns instead of copying them.
 
-    Between snapshot ``g`` and the next, the index logs each row's fix (``lat``, ``lon``, ``t``)
-    before its first change, and its stored profile and salt before their first change: the values
-    snapshot ``g`` saw. At the next snapshot that log is frozen as generation ``g``. A view of
-    snapshot ``g`` reads a column as the index's current values, overwritten by the logs of
-    generations ``≥ g``, newest first (the oldest such log holds the value at ``g``). Logs older
-    than every live view that still has a column to read are dropped at each snapshot.
+    Between snapshot ``g`` and the next, the index copies the fix columns (``lat``, ``lon``,
+    ``t``) whole before the first fix written (generation ``g``: the values snapshot ``g`` saw), and
+    logs each row's stored profile and salt before their first change; at the next snapshot that
+    log is frozen as generation ``g``. A view of snapshot ``g`` reads a fix column from the copy of
+    the oldest generation ``≥ g`` (none: nothing was written since, the index's column), and a
+    profile column as the index's current values overwritten by the logs of generations ``≥ g``,
+    newest first (the oldest such log holds the value at ``g``). Copies and logs older than every
+    live view that still has a column to read are dropped at each snapshot.
     """
 
     __slots__ = ("fixes", "profiles", "views")
 
     def __init__(self) -> None:
-        self.fixes: list[tuple[int, I64, F64]] = []  # (generation, rows, (m, 3) lat/lon/t)
+        self.fixes: list[tuple[int, F64]] = []  # (generation, (3, n) lat/lon/t)
         self.profiles: list[tuple[int, I64, tuple[npt.NDArray[Any], ...]]] = []
         self.views: list[weakref.ref[_Columns]] = []
 
     def freeze(
         self,
         gen: int,
-        fix_rows: array[int],
-        fix_vals: array[float],
         profile_log: list[tuple[int, int, float, float, int]],
     ) -> None:
-        """Keep the current logs as generation ``gen`` (if a view may need them)."""
-        if not self.views:
-            return
-        if len(fix_rows):
-            self.fixes.append((gen, np.frombuffer(fix_rows, np.int64), np.frombuffer(fix_vals).reshape(-1, 3)))
-        if profile_log:
+        """Keep the current profile log as generation ``gen`` (if a view may need it)."""
+        if self.views and profile_log:
             rows = np.fromiter((e[0] for e in profile_log), np.int64, len(profile_log))
             cols = tuple(
                 np.fromiter((e[i + 1] for e in profile_log), dt, len(profile_log))
                 for i, dt in enumerate(_PROFILE_DTYPES)
             )
             self.profiles.append((gen, rows, cols))
+
+    def reads_fixes(self) -> bool:
+        """Whether a live view may still read ``lat``, ``lon`` or ``t`` from the index."""
+        return any((c := ref()) is not None and not c.pending.isdisjoint(_FIX_COLUMNS) for ref in self.views)
 
     def prune(self) -> int:
         """Drop the views that are gone or read everything, and the logs none of the others needs;
@@ -447,27 +455,20 @@ class _Journal:
         self.views = live
         gens = [c.seq for ref in live if (c := ref()) is not None]
         oldest = min(gens) if gens else 1 << 62
-        self.fixes = [e for e in self.fixes if e[0] >= oldest]
+        fix_gens = [c.seq for ref in live if (c := ref()) is not None and not c.pending.isdisjoint(_FIX_COLUMNS)]
+        self.fixes = [e for e in self.fixes if fix_gens and e[0] >= min(fix_gens)]
         self.profiles = [e for e in self.profiles if e[0] >= oldest]
         return oldest
 
     def entries(
         self,
         name: str,
-        fix_rows: array[int],
-        fix_vals: array[float],
         profile_log: list[tuple[int, int, float, float, int]],
         current: int,
     ) -> list[Undo]:
-        """The logs of column ``name``, oldest first, the current (not yet frozen) one last."""
-        if name in _FIX_COLUMNS:
-            i = _FIX_COLUMNS.index(name)
-            out: list[Undo] = [(g, r, v[:, i]) for g, r, v in self.fixes]
-            if len(fix_rows):
-                out.append((current, np.frombuffer(fix_rows, np.int64), np.frombuffer(fix_vals)[i::3]))
-            return out
+        """The logs of profile column ``name``, oldest first, the current (not yet frozen) one last."""
         i = _PROFILE_COLUMNS.index(name)
-        out = [(g, r, cols[i]) for g, r, cols in self.profiles]
+        out: list[Undo] = [(g, r, cols[i]) for g, r, cols in self.profiles]
         if profile_log:
             rows = np.fromiter((e[0] for e in profile_log), np.int64, len(profile_log))
             out.append((current, rows, np.fromiter((e[i + 1] for e in profile_log), _PROFILE_DTYPES[i], len(rows))))
