@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -93,13 +93,8 @@ def run_client(
         raise UsageError(str(exc)) from None
 
     async def checked() -> T:
-        if not stoppable:
-            await probe_broker(broker, credentials=credentials)
-            if announce is not None:
-                say(announce)
-            return await work(None)
-        stop = asyncio.Event()
-        with signals_stop(stop):
+        stop = asyncio.Event() if stoppable else None
+        with signals_stop(stop) if stop is not None else nullcontext():
             await probe_broker(broker, credentials=credentials)
             if announce is not None:
                 say(announce)
