@@ -463,26 +463,37 @@ class QuadtreeCounts:
         out = np.zeros(len(rect), np.int64)
         lon_aligned = ((lon0 + GRID_OFFSET) & ALIGN_MASK) == 0
         lat_aligned = ((lat0 + GRID_OFFSET) & ALIGN_MASK) == 0
-        al = self.aligned or self._aligned() if (lon_aligned | lat_aligned).any() else None
-        for aligned, strip in ((True, None if al is None else al.lon_strip_array), (False, self.lon_strip_array)):
-            sel = lon_aligned if aligned else ~lon_aligned
-            if not aligned:
-                sel &= _maybe_many(self.lon_hint, self.hint_bits, lon0 - 1, lat0 - 1, lat1 - 1)
-            i = np.flatnonzero(sel)
-            if len(i) and strip is not None:
-                base = (2 * lon0[i] - 1) * _STRIP + _STRIP_OFFSET
-                out[i] = search(strip, base + 2 * lat1[i], "left", base + 2 * lat0[i] - 2, "right")
-        for aligned, strip in ((True, None if al is None else al.lat_strip_array), (False, self.lat_strip_array)):
-            sel = lat_aligned if aligned else ~lat_aligned
-            if not aligned:
-                sel &= _maybe_many(self.lat_hint, self.hint_bits, lat0 - 1, lon0 - 1, lon1 - 1)
-            i = np.flatnonzero(sel)
-            if len(i) and strip is not None:
-                base = (2 * lat0[i] - 1) * _STRIP + _STRIP_OFFSET
-                extra = search(strip, base + 2 * lon1[i], "left", base + 2 * lon0[i] - 2, "right")
-                corner = base + (2 * lon0[i] - 1)
-                out[i] += extra - search(strip, corner, "right", corner, "left")
+        al = self._aligned() if (lon_aligned | lat_aligned).any() else None
+        self._add_strip_counts(out, lon_aligned, None if al is None else al.lon_strip_array, "lon", lon0, lat0, lat1)
+        self._add_strip_counts(out, lat_aligned, None if al is None else al.lat_strip_array, "lat", lat0, lon0, lon1)
         return out
+
+    def _add_strip_counts(
+        self,
+        out: I64,
+        edge_aligned: npt.NDArray[np.bool_],
+        aligned_strip: I64 | None,
+        axis: Literal["lon", "lat"],
+        e0: I64,
+        a0: I64,
+        a1: I64,
+    ) -> None:
+        """Add to ``out`` the users of the strip below each box's lower ``axis`` edge ``e0``, across ``[a0, a1)``:
+        aligned edges from ``aligned_strip``, others from the full strip behind its occupancy bytes. The bottom
+        (``lat``) strip leaves out the corner the left strip already counted."""
+        strip, hint = (self.lon_strip_array, self.lon_hint) if axis == "lon" else (self.lat_strip_array, self.lat_hint)
+        for aligned, source in ((True, aligned_strip), (False, strip)):
+            sel = edge_aligned if aligned else ~edge_aligned
+            if not aligned:
+                sel &= _maybe_many(hint, self.hint_bits, e0 - 1, a0 - 1, a1 - 1)
+            i = np.flatnonzero(sel)
+            if len(i) and source is not None:
+                base = (2 * e0[i] - 1) * _STRIP + _STRIP_OFFSET
+                extra = search(source, base + 2 * a1[i], "left", base + 2 * a0[i] - 2, "right")
+                if axis == "lat":
+                    corner = base + (2 * a0[i] - 1)
+                    extra = extra - search(source, corner, "right", corner, "left")
+                out[i] += extra
 
 
 ALIGN_BITS = 6
