@@ -162,11 +162,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def io_calls(pid: int) -> int:
-    """Read and write system calls of a live process so far (``syscr`` + ``syscw`` of ``/proc/<pid>/io``): each
-    socket read or write, so each wake-up for a NATS message or to send one."""
-    fields = dict(line.split(": ", 1) for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(fields["syscr"]) + int(fields["syscw"])
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of a live process's threads so far (``/proc/<pid>/task/*/status``): each time a
+    thread blocked with nothing to do (an event loop waiting for its next message), so each wake-up."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -699,14 +704,14 @@ def _drive(
         return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
 
     client3, route3 = dep.nats_client_route_counts()
-    l3, io3 = _cpu(lbs), {tier: sum(io_calls(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
+    l3, wake3 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     results: list[tuple[int, dict[str, Any]]] = []
     with ThreadPoolExecutor(max_workers=load.query_threads) as pool:
         while not results or time.monotonic() - t3 < args.min_query_s:
             results += pool.map(one, range(len(results), len(results) + load.queries))
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-    l4, io4 = _cpu(lbs), {tier: sum(io_calls(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
+    l4, wake4 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     client4, route4 = dep.nats_client_route_counts()
     query_s = t4 - t3
     answered = [body for status, body in results if status == 200 and "status" in body]
@@ -754,10 +759,10 @@ def _drive(
         # received from clients and from each other
         "nats_client_msgs_per_query": round((client4 - client3) / len(answered), 1) if answered else None,
         "nats_route_msgs_per_query": round((route4 - route3) / len(answered), 1) if answered else None,
-        # socket reads and writes per answered query (/proc/<pid>/io syscr + syscw, processes summed): the same
+        # wake-ups per answered query (voluntary context switches of the processes' threads, summed): the same
         # NATS messages cost more wake-ups when a query's gateway, router and owner are different processes
-        "kcloak_io_calls_per_query": round((io4["kcloak"] - io3["kcloak"]) / len(answered), 1) if answered else None,
-        "nats_io_calls_per_query": round((io4["nats"] - io3["nats"]) / len(answered), 1) if answered else None,
+        "kcloak_wakeups_per_query": round((wake4["kcloak"] - wake3["kcloak"]) / len(answered), 1) if answered else None,
+        "nats_wakeups_per_query": round((wake4["nats"] - wake3["nats"]) / len(answered), 1) if answered else None,
         # the same net of what the processes burn idle (pulls, heartbeats) over the phase: at a low rate the idle
         # cost of many pinned members is spread over few messages and grows with W by itself
         "kcloak_busy_cpu_us_per_fix": per(max(0.0, k2 - k1 - idle_kc * fix_s), accepted),

@@ -44,7 +44,7 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert row["queries_answered"] == sent and row["queries_failed"] == {}
     assert row["queries_ok"] + sum(row["queries_refused"].values()) == sent
     assert row["queries_ok_share"] == pytest.approx(row["queries_ok"] / sent, abs=1e-4)
-    assert row["kcloak_io_calls_per_query"] > 0 and row["nats_io_calls_per_query"] > 0
+    assert row["kcloak_wakeups_per_query"] > 0 and row["nats_wakeups_per_query"] > 0
     for key in ("kcloak_cpu_us_per_fix", "nats_cpu_us_per_fix", "kcloak_cpu_us_per_query", "nats_cpu_us_per_query"):
         assert row[key] > 0, key
         busy = row[key.replace("_cpu_", "_busy_cpu_")]  # net of idle CPU: never more than the whole
