@@ -95,8 +95,10 @@ def add_parser(bench: SubParsers) -> None:
             "CPU per message; throughput on a small host is never a scaling result. Each W also prints NATS's own "
             "CPU per fix measured in the same run (the same payloads published raw into an R1 and an R3 stream) "
             "and the NATS messages per fix (stored per stream, delivered, the servers' in_msgs). --scale weak "
-            "multiplies the load by W (the same load per worker; the fixes from one load process per gateway) "
-            "instead of spreading one fixed load over W workers (strong, the default). Progress on stderr; "
+            "multiplies the load by W (the same load per worker; the fixes from one load process per gateway) from the "
+            "same population of --users at every W (the same density, so the same mix of ok and refused queries) "
+            "instead of spreading one fixed load over W workers (strong, the default). The query phase repeats "
+            "its --queries until it lasted --min-query-s. Progress on stderr; "
             "--json prints one JSON object on stdout."
         ),
     )
