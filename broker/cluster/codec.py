@@ -1,4 +1,5 @@
-"""JSON of the cluster's own messages on the fix path (cell events, moves, intake envelopes), with msgspec.
+"""JSON of the cluster's own messages (fix path: cell events, moves, intake envelopes; query path: routed queries,
+answers), with msgspec.
 
 The same JSON values as ``json.dumps(obj, separators=(",", ":"))`` and ``json.loads`` (numbers may be spelt
 differently, e.g. ``1e16`` for ``1e+16``; every reader parses JSON), at a fraction of the CPU: these run once
@@ -9,6 +10,7 @@ refuses goes the full way (:func:`kcloak.wire.payloads.parse_json_object`), whic
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -25,6 +27,24 @@ def encode(obj: Any) -> bytes:
 def decode(data: bytes) -> Any:
     """The JSON value of ``data``; raises ValueError (``msgspec.DecodeError``) when it is not JSON."""
     return _DECODER.decode(data)
+
+
+def encode_any(obj: Any) -> bytes:
+    """:func:`encode`, or the standard library's compact JSON for what msgspec cannot write (an integer beyond
+    64 bits from an app's query, a float that is not finite): for messages that carry what an app sent."""
+    try:
+        return _ENCODER.encode(obj)
+    except (msgspec.MsgspecError, TypeError, OverflowError):
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_any(data: bytes) -> Any:
+    """:func:`decode`, or the standard library's for a number msgspec refuses (an integer beyond 64 bits); raises
+    ValueError when ``data`` is not JSON."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError:
+        return json.loads(data)
 
 
 class BatchPart(msgspec.Struct, gc=False):
@@ -52,4 +72,4 @@ def decode_batch(data: bytes) -> BatchEnvelope | None:
         return None
 
 
-__all__ = ["BatchEnvelope", "BatchPart", "decode", "decode_batch", "encode"]
+__all__ = ["BatchEnvelope", "BatchPart", "decode", "decode_any", "decode_batch", "encode", "encode_any"]

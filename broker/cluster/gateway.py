@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 from kcloak.broker.admission import Admission, Duplicate, QueryRejected
 from kcloak.broker.cluster.answers import read_answer
-from kcloak.broker.cluster.codec import encode
+from kcloak.broker.cluster.codec import decode_any, encode
 from kcloak.broker.cluster.topology import (
     PROFILES_BUCKET,
     Layout,
@@ -635,7 +635,7 @@ class ClusterPipeline:
             log_event(log, "gateway_answer_lookup_failed", logging.WARNING, error=type(exc).__name__)
             return None
         try:
-            obj = json.loads(data or b"")
+            obj = decode_any(data or b"")
         except ValueError:
             return None
         return obj if isinstance(obj, dict) else None
@@ -678,7 +678,7 @@ class ClusterPipeline:
             try:
                 async with asyncio.timeout(max(wait_s - 0.5, 0.5)):
                     data = await got
-                body = json.loads(data)
+                body = decode_any(data)
             except (TimeoutError, ValueError):
                 body = await self._stored_answer(user, query_id)  # stored, but its reply was missed
             if isinstance(body, dict):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kcloak.broker.cluster.answers import read_answer, send_stored, store_answer
-from kcloak.broker.cluster.codec import decode
+from kcloak.broker.cluster.codec import decode, decode_any, encode_any
 from kcloak.broker.cluster.pinned import Delivered, DuplicateSeq, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.routed import NOT_OWNER, QUEUE_GROUP, STORED, Heartbeat
 from kcloak.broker.cluster.topology import (
@@ -280,7 +280,7 @@ class CellOwner:
     async def _answer_routed(self, data: bytes, reply: str | None) -> None:
         """Answer one routed query and tell the router (``reply``) once the answer is stored."""
         try:
-            routed = json.loads(data)
+            routed = decode_any(data)
             token, qkey = str(routed["user"]), subject_token(str(routed["query"]["query_id"]))
         except (ValueError, KeyError, TypeError):
             log_event(log, "bad_routed_query", logging.WARNING, cell=self.cell)
@@ -335,7 +335,7 @@ class CellOwner:
             self.nc,
             token,
             qkey,
-            json.dumps(answer.to_json(), separators=(",", ":")).encode(),
+            encode_any(answer.to_json()),
             reply=reply,
             keep_trying=lambda: self._live,
         )

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kcloak.broker.cluster.codec import encode_any
 from kcloak.broker.cluster.topology import cellq_subject
 
 HEARTBEAT_S = 1.0
@@ -182,11 +182,7 @@ class QueryDispatch:
         waiting = self._waiting[token] = _Waiting()
         try:
             with contextlib.suppress(Exception):  # reconnecting: silence, then again
-                await self.nc.publish(
-                    cellq_subject(cell),
-                    json.dumps(routed, separators=(",", ":")).encode(),
-                    reply=f"{self._prefix}.{token}",
-                )
+                await self.nc.publish(cellq_subject(cell), encode_any(routed), reply=f"{self._prefix}.{token}")
             while self.keep_trying():
                 if waiting.last not in (b"", WORKING):
                     return waiting.last  # a final reply (it may have come while we sent a progress ack)
@@ -228,30 +224,37 @@ class QueryDispatch:
 
 
 class Heartbeat:
-    """An owner's side: say ``working`` to ``reply`` every :data:`HEARTBEAT_S` until the block ends."""
+    """An owner's side: say ``working`` to ``reply`` every :data:`HEARTBEAT_S` until the block ends.
+
+    A timer of the event loop, not a task: most queries end well within :data:`HEARTBEAT_S`, and then the block
+    cost one timer set and cancelled (a task per query cost its creation, a sleep and a cancellation)."""
 
     def __init__(self, nc: Any, reply: str | None) -> None:
         self.nc = nc
         self.reply = reply
-        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: set[asyncio.Task[None]] = set()
 
-    async def _beat(self) -> None:
+    def _beat(self) -> None:
+        task = asyncio.ensure_future(self._say())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+        self._timer = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._beat)
+
+    async def _say(self) -> None:
         assert self.reply is not None
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            with contextlib.suppress(Exception):
-                await self.nc.publish(self.reply, WORKING)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.reply, WORKING)
 
     async def __aenter__(self) -> Heartbeat:
         if self.reply:
-            self._task = asyncio.create_task(self._beat())
+            self._timer = asyncio.get_running_loop().call_later(HEARTBEAT_S, self._beat)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 __all__ = [

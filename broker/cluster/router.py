@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kcloak.broker.cluster.answers import store_answer
-from kcloak.broker.cluster.codec import decode, decode_batch, encode
+from kcloak.broker.cluster.codec import decode, decode_batch, encode, encode_any
 from kcloak.broker.cluster.moves import moves_body
 from kcloak.broker.cluster.pinned import Delivered, PinnedMember, PubAcks, read_last_per_subject
 from kcloak.broker.cluster.routed import QueryDispatch
@@ -625,7 +625,7 @@ class Router:
             self.nc,
             token,
             subject_token(qid),
-            json.dumps(answer.to_json(), separators=(",", ":")).encode(),
+            encode_any(answer.to_json()),
             reply=reply,
             keep_trying=lambda: self.member.pinned,
         )

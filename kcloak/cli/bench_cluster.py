@@ -19,9 +19,13 @@ payloads published raw into a fresh R1 and R3 stream, server CPU per message) an
 cost on kcloak's path (streams' sequences, consumers' deliveries, the servers' ``in_msgs``).
 
 ``--scale strong`` (default) sends the same total load at every W from this one process, so the load per worker
-shrinks as W grows; ``--scale weak`` sends W times the per-worker load (``--users``, ``--fixes``, ``--queries``,
+shrinks as W grows; ``--scale weak`` sends W times the per-worker load (``--fixes``, ``--queries``,
 ``--query-threads``), the fixes from W load processes (one per gateway), so every gateway receives what the
-single gateway of W = 1 received. Both are reported as what they are: neither replaces the other.
+single gateway of W = 1 received, from the SAME population of ``--users`` at every W: the same density, so
+the same mix of answered and refused (``area_exceeded``) queries, whose costs differ. Both are reported as what
+they are: neither replaces the other. Every W starts from the same street-simulator population (seed 2), and
+the query phase is repeated (fresh query ids) until it lasted ``--min-query-s``, so it is long enough to
+measure in clock ticks.
 """
 
 from __future__ import annotations
@@ -54,9 +58,15 @@ YARDSTICK_MIN_MESSAGES = 5_000
 SCALES = ("strong", "weak")
 SCALE_MEANING = {
     "strong": "the same --users, --fixes and --queries at every W, fixes sent by this one process",
-    "weak": "--users, --fixes, --queries and --query-threads per worker, times W; fixes sent by W load processes, "
-    "one per gateway",
+    "weak": "--fixes, --queries and --query-threads per worker, times W, fixes sent by W load processes, one per "
+    "gateway; the same population of --users at every W (the same density, so the same mix of ok and refused "
+    "queries)",
 }
+DEFAULT_USERS = {"strong": 1_000, "weak": 8_000}
+"""Weak scaling's population is denser: with 1,000 users of the street simulator 40 % of the queries are refused
+``area_exceeded`` (cheaper: no provider call), with 8,000 about 1 %."""
+OK_SHARE_GAP = 0.05
+"""Beyond this gap between the ok shares of the compared worker counts, the overhead compares different mixes."""
 MAX_QUERY_THREADS = 64
 SCALING_WARNING = (
     "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
@@ -85,8 +95,10 @@ def add_parser(bench: SubParsers) -> None:
             "CPU per message; throughput on a small host is never a scaling result. Each W also prints NATS's own "
             "CPU per fix measured in the same run (the same payloads published raw into an R1 and an R3 stream) "
             "and the NATS messages per fix (stored per stream, delivered, the servers' in_msgs). --scale weak "
-            "multiplies the load by W (the same load per worker; the fixes from one load process per gateway) "
-            "instead of spreading one fixed load over W workers (strong, the default). Progress on stderr; "
+            "multiplies the load by W (the same load per worker; the fixes from one load process per gateway) from the "
+            "same population of --users at every W (the same density, so the same mix of ok and refused queries) "
+            "instead of spreading one fixed load over W workers (strong, the default). The query phase repeats "
+            "its --queries until it lasted --min-query-s. Progress on stderr; "
             "--json prints one JSON object on stdout."
         ),
     )
@@ -96,10 +108,11 @@ def add_parser(bench: SubParsers) -> None:
     p.add_argument(
         "--users",
         type=int,
-        default=1_000,
+        default=None,
         metavar="N",
-        help="simulated users sending fixes, one per user per round of 5 simulated s (1000: with 10000 fixes, "
-        "nine in ten are a moving user's next fix, not a first one)",
+        help="simulated users sending fixes, one per user per round of 5 simulated s (strong: 1000, with 10000 "
+        "fixes nine in ten are a moving user's next fix; weak: 8000, the population at EVERY W, dense enough "
+        "that about 1 %% of the queries are refused area_exceeded)",
     )
     p.add_argument("--cells", type=int, default=8, metavar="C", help="cells (8)")
     p.add_argument("--partitions", type=int, default=8, metavar="P", help="intake partitions (8)")
@@ -121,13 +134,22 @@ def add_parser(bench: SubParsers) -> None:
     p.add_argument("--utilisation", type=float, default=0.6, metavar="U", help="target CPU utilisation per core (0.6)")
     p.add_argument("--query-threads", type=int, default=8, metavar="N", help="HTTP queries in flight (8)")
     p.add_argument(
+        "--min-query-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="repeat the --queries (fresh query ids) until the query phase lasted S seconds (5): CPU is counted "
+        "in clock ticks of 10 ms, a phase under a second is mostly rounding",
+    )
+    p.add_argument(
         "--scale",
         choices=SCALES,
         default="strong",
         help="strong: the same --users/--fixes/--queries whatever W, sent by one load generator (the load is "
-        "spread thinner as W grows); weak: --users, --fixes, --queries and --query-threads (at most 64) are "
-        "PER WORKER, multiplied by W, and the fixes are sent by W load processes, one per gateway, so each "
-        "gateway sees the load of the W = 1 run (strong)",
+        "spread thinner as W grows); weak: --fixes, --queries and --query-threads (at most 64) are PER WORKER, "
+        "multiplied by W, and the fixes are sent by W load processes, one per gateway, so each gateway sees the "
+        "load of the W = 1 run, while the population (--users) is the same at every W: the same density, so the "
+        "same mix of answered and refused queries (strong)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
@@ -140,6 +162,18 @@ def cpu_s(pid: int) -> float:
     """utime + stime of a live process, in seconds (all its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of a live process's threads so far (``/proc/<pid>/task/*/status``): each time a
+    thread blocked with nothing to do (an event loop waiting for its next message), so each wake-up."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -540,8 +574,8 @@ class Population:
 @dataclass(frozen=True, slots=True)
 class Load:
     """What one worker count is sent. Strong scaling: the same total whatever W, from this process. Weak
-    scaling: W times the per-worker load (users, fixes, queries, queries in flight), the fixes from W load
-    processes, one per gateway."""
+    scaling: W times the per-worker load (fixes, queries, queries in flight), the fixes from W load processes,
+    one per gateway, by the same population (users) whatever W."""
 
     scale: str
     users: int
@@ -554,7 +588,7 @@ class Load:
     def of(cls, args: argparse.Namespace, workers: int) -> Load:
         if args.scale == "weak":
             threads = min(MAX_QUERY_THREADS, args.query_threads * workers)
-            return cls("weak", args.users * workers, args.fixes * workers, args.queries * workers, threads, workers)
+            return cls("weak", args.users, args.fixes * workers, args.queries * workers, threads, workers)
         return cls("strong", args.users, args.fixes, args.queries, args.query_threads, 0)
 
 
@@ -663,7 +697,8 @@ def _drive(
     rejected_by = _rejected_by(texts) - rejected_before
     log(f"W={w}: {int(accepted)} fixes accepted, {int(rejected)} rejected in {fix_s:.1f} s")
 
-    # queries: HTTP knn, each through its user's gateway, --query-threads in flight
+    # queries: HTTP knn, each through its user's gateway, --query-threads in flight; the round of load.queries
+    # repeated (fresh ids) until the phase lasted --min-query-s
     def one(i: int) -> tuple[int, dict[str, Any]]:
         u = (i * 7919) % min(users, load.fixes)
         http_port = dep.gateways[u % w][0]
@@ -671,19 +706,21 @@ def _drive(
         return http_query(f"http://127.0.0.1:{http_port}/v1/users/u{u}/query", body)
 
     client3, route3 = dep.nats_client_route_counts()
-    l3 = _cpu(lbs)
+    l3, wake3 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
+    results: list[tuple[int, dict[str, Any]]] = []
     with ThreadPoolExecutor(max_workers=load.query_threads) as pool:
-        results = list(pool.map(one, range(load.queries)))
+        while not results or time.monotonic() - t3 < args.min_query_s:
+            results += pool.map(one, range(len(results), len(results) + load.queries))
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-    l4 = _cpu(lbs)
+    l4, wake4 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     client4, route4 = dep.nats_client_route_counts()
     query_s = t4 - t3
     answered = [body for status, body in results if status == 200 and "status" in body]
     ok = sum(1 for body in answered if body["status"] == "ok")
     refused = Counter(str(body.get("reason")) for body in answered if body["status"] != "ok")
     errors = Counter(str(status) for status, body in results if not (status == 200 and "status" in body))
-    log(f"W={w}: {len(answered)}/{load.queries} queries answered ({ok} ok) in {query_s:.1f} s")
+    log(f"W={w}: {len(answered)}/{len(results)} queries answered ({ok} ok) in {query_s:.1f} s")
     yardstick = asyncio.run(dep.yardstick(payloads_sent, nats_pids))
     log(
         f"W={w}: yardstick, the same {len(payloads_sent)} payloads published raw: NATS "
@@ -708,9 +745,11 @@ def _drive(
         "fixes_pubacked": pubacked,
         "fixes_accepted": int(accepted),
         "fixes_rejected": dict(rejected_by),
-        "queries_sent": load.queries,
+        "queries_sent": len(results),
+        "query_rounds": len(results) // load.queries,
         "queries_answered": len(answered),
         "queries_ok": ok,
+        "queries_ok_share": round(ok / len(answered), 4) if answered else None,
         "queries_refused": dict(refused),
         "queries_failed": dict(errors),
         "kcloak_cpu_us_per_fix": per(k2 - k1, accepted),
@@ -722,6 +761,10 @@ def _drive(
         # received from clients and from each other
         "nats_client_msgs_per_query": round((client4 - client3) / len(answered), 1) if answered else None,
         "nats_route_msgs_per_query": round((route4 - route3) / len(answered), 1) if answered else None,
+        # wake-ups per answered query (voluntary context switches of the processes' threads, summed): the same
+        # NATS messages cost more wake-ups when a query's gateway, router and owner are different processes
+        "kcloak_wakeups_per_query": round((wake4["kcloak"] - wake3["kcloak"]) / len(answered), 1) if answered else None,
+        "nats_wakeups_per_query": round((wake4["nats"] - wake3["nats"]) / len(answered), 1) if answered else None,
         # the same net of what the processes burn idle (pulls, heartbeats) over the phase: at a low rate the idle
         # cost of many pinned members is spread over few messages and grows with W by itself
         "kcloak_busy_cpu_us_per_fix": per(max(0.0, k2 - k1 - idle_kc * fix_s), accepted),
@@ -803,7 +846,14 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
         "from_workers": first["workers"],
         "to_workers": last["workers"],
         "target": target,
+        "compares": (
+            f"kcloak's CPU-µs (the serve processes summed) per accepted fix and per answered query at "
+            f"W={last['workers']} against W={first['workers']}, {first['users']} vs {last['users']} users, "
+            f"ok share of the answered queries {first.get('queries_ok_share')} vs {last.get('queries_ok_share')}"
+        ),
     }
+    a_share, b_share = first.get("queries_ok_share"), last.get("queries_ok_share")
+    out["same_query_mix"] = a_share is not None and b_share is not None and abs(a_share - b_share) <= OK_SHARE_GAP
     for kind in ("fix", "query"):
         a, b = first[f"kcloak_cpu_us_per_{kind}"], last[f"kcloak_cpu_us_per_{kind}"]
         out[kind] = round(b / a - 1.0, 4) if a and b else None
@@ -819,6 +869,8 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
         out["verdict"] = (
             "met" if worst <= target else "NOT met"
         ) + f" (worst growth {worst:+.1%}, target ≤ {target:.0%})"
+        if not out["same_query_mix"]:
+            out["verdict"] += "; the query mixes differ (ok shares), so the query figure is not like for like"
     return out
 
 
@@ -839,10 +891,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     workers = parse_workers(args.workers)
+    if args.users is None:
+        args.users = DEFAULT_USERS[args.scale]
     if args.fixes < 1 or args.queries < 1 or args.users < 1 or args.cells < 1 or args.partitions < 1:
         raise UsageError("--fixes, --queries, --users, --cells and --partitions must be ≥ 1")
-    if args.fixes < args.users:
+    if args.scale == "strong" and args.fixes < args.users:
         raise UsageError("--fixes: at least --users (every querier needs a fix)")
+    if args.min_query_s < 0:
+        raise UsageError("--min-query-s: ≥ 0")
     if not 0 < args.utilisation <= 1:
         raise UsageError("--utilisation: in (0, 1]")
     if args.cells_sample < args.cells or args.skew_users < 1 or args.skew_after_s < 0:
@@ -869,11 +925,9 @@ def run(args: argparse.Namespace) -> int:
         cell_map = CellMap.from_json(cells_path.read_text(encoding="utf-8"))
         log(f"scale: {args.scale} ({SCALE_MEANING[args.scale]})")
         rows = []
-        population: Population | None = None
-        for w in workers:
+        for w in workers:  # each W from the same start: the same users at the same places
             n = Load.of(args, w).users
-            if population is None or len(population.last_t) != n:  # strong: one population for every W
-                population = Population(build_model("street", n, seed=2), [0.0] * n, cell_map)
+            population = Population(build_model("street", n, seed=2), [0.0] * n, cell_map)
             rows.append(measure_one(args, w, cells_path, args.cells, population, log))
     report = {
         "bench": "cluster",
@@ -891,6 +945,7 @@ def run(args: argparse.Namespace) -> int:
             "queries": args.queries,
             "fix_transport": "mqtt qos 1 (paho), one connection per gateway",
             "query_transport": f"http, {args.query_threads} in flight",
+            "min_query_s": args.min_query_s,
             "query": {"kind": "knn", "n": 3},
         },
         "results": rows,
@@ -942,6 +997,7 @@ def print_table(report: dict[str, Any]) -> None:
         counts = ", ".join(f"{k} {v}" for k, v in r["nats_messages_per_fix"].items())
         out.print(f"  NATS messages per fix: {counts}")
     ov = report["overhead"]
+    out.print(f"the overhead compares {ov['compares']}")
     out.print(
         f"coordination overhead ({scale} scaling: {report['config']['scale_meaning']}) "
         f"W={ov['from_workers']}→{ov['to_workers']}: "

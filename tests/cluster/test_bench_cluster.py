@@ -28,7 +28,7 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1", "--json"]
     cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
     cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
-    cmd += ["--fix-rate", "1000", "--query-rate", "100", "--utilisation", "0.5"]
+    cmd += ["--fix-rate", "1000", "--query-rate", "100", "--utilisation", "0.5", "--min-query-s", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "W=1:" in done.stderr  # progress on stderr, the JSON alone on stdout
@@ -38,8 +38,13 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert row["workers"] == 1
     assert row["fixes_sent"] == fixes and row["fixes_pubacked"] == fixes
     assert row["fixes_accepted"] == fixes and row["fixes_rejected"] == {}
-    assert row["queries_sent"] == queries and row["queries_answered"] == queries and row["queries_failed"] == {}
-    assert row["queries_ok"] + sum(row["queries_refused"].values()) == queries
+    # the round of --queries is repeated (fresh ids) until the phase lasted --min-query-s
+    sent = row["queries_sent"]
+    assert row["query_rounds"] >= 1 and sent == row["query_rounds"] * queries and row["query_phase_s"] >= 2.0
+    assert row["queries_answered"] == sent and row["queries_failed"] == {}
+    assert row["queries_ok"] + sum(row["queries_refused"].values()) == sent
+    assert row["queries_ok_share"] == pytest.approx(row["queries_ok"] / sent, abs=1e-4)
+    assert row["kcloak_wakeups_per_query"] > 0 and row["nats_wakeups_per_query"] > 0
     for key in ("kcloak_cpu_us_per_fix", "nats_cpu_us_per_fix", "kcloak_cpu_us_per_query", "nats_cpu_us_per_query"):
         assert row[key] > 0, key
         busy = row[key.replace("_cpu_", "_busy_cpu_")]  # net of idle CPU: never more than the whole
@@ -87,6 +92,7 @@ def test_bench_cluster_weak_scaling_sends_w_times_the_per_worker_load_through_w_
     cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1,2", "--scale", "weak", "--json"]
     cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
     cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
+    cmd += ["--min-query-s", "0"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "scale: weak" in done.stderr
@@ -96,9 +102,15 @@ def test_bench_cluster_weak_scaling_sends_w_times_the_per_worker_load_through_w_
     for row in report["results"]:
         w = row["workers"]
         assert row["scale"] == "weak" and row["fix_sender_processes"] == w
-        assert row["users"] == users * w and row["query_threads"] == 8 * w
+        # the same population at every W (the same density: the same mix of answered and refused queries)
+        assert row["users"] == users and row["query_threads"] == 8 * w
         # every fix of the W times larger load sent, PUBACKed and accepted; every query answered
         assert row["fixes_sent"] == row["fixes_pubacked"] == row["fixes_accepted"] == fixes * w
         assert row["queries_sent"] == row["queries_answered"] == queries * w
         assert row["kcloak_cpu_us_per_fix"] > 0 and row["nats_cpu_us_per_fix"] > 0
-    assert report["overhead"]["verdict"].startswith(("met", "NOT met"))
+    overhead = report["overhead"]
+    assert overhead["verdict"].startswith(("met", "NOT met"))
+    first, last = report["results"]
+    assert f"{users} vs {users} users" in overhead["compares"]
+    same = abs(first["queries_ok_share"] - last["queries_ok_share"]) <= 0.05
+    assert overhead["same_query_mix"] is same and ("not like for like" in overhead["verdict"]) is not same
