@@ -58,6 +58,9 @@ LATE_ANSWERS_S: Final = 5.0
 """After the users stop (and the simulator's own drain), how long the ledger still listens for late
 or repeated answers."""
 
+END_GRACE_S: Final = 60.0
+"""How long the simulated users may take to finish after the last sample before they are stopped."""
+
 LOAD_SHARE: Final = 0.5
 """The soak runs at this share of the sustained query rate."""
 
@@ -301,19 +304,36 @@ async def _traffic(
         task = asyncio.create_task(run_simulation(sim, observer=observer))
         try:
             await _sample(run, observer, task, pid, data_dir, broker.http_port, t_begin, say)
-            if run.interrupted_at_s is not None:
-                say("interrupted: stopping the users, the broker and the LBS")
+            if run.interrupted_at_s is None and not await _simulation_ended(run, task):
+                run.error = f"the simulated users had not finished {END_GRACE_S:g} s after the end of the traffic"
+            if not task.done():
+                say("stopping the users, the broker and the LBS")
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 return
-            run.simulation = await task
+            if run.interrupted_at_s is not None:
+                return
+            run.simulation = task.result()
         except BaseException:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
             raise
         await asyncio.sleep(LATE_ANSWERS_S)
+
+
+async def _simulation_ended(run: SoakRun, task: asyncio.Task[SimulationSummary]) -> bool:
+    """Wait for the simulated users to finish after the last sample: False after :data:`END_GRACE_S`,
+    or at once when ``run.stop`` is set (``run.interrupted_at_s`` is then set too)."""
+    stopped = asyncio.create_task(run.stop.wait())
+    try:
+        await asyncio.wait([task, stopped], timeout=END_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if run.stop.is_set() and not task.done():
+        run.interrupted_at_s = run.cfg.duration_s
+    return task.done()
 
 
 async def _sample(
