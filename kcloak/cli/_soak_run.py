@@ -195,6 +195,7 @@ class SoakRun:
             "simulation": None if self.simulation is None else self.simulation.to_json(),
             "error": self.error,
             "interrupted": self.interrupted_at_s is not None,
+            "interrupted_at_s": None if self.interrupted_at_s is None else round(self.interrupted_at_s, 3),
             "verdict": judged.to_json(),
             "host": {"cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
         }
@@ -385,7 +386,9 @@ async def _sample_until(
     prev_t = 0.0
     for i in range(1, n + 1):
         t_s = min(i * cfg.sample_every_s, cfg.duration_s)
-        await asyncio.wait([task, stopped], timeout=max(0.0, t0 + t_s - time.monotonic()))
+        await asyncio.wait(
+            [task, stopped], timeout=max(0.0, t0 + t_s - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+        )
         if stopped.done():
             run.interrupted_at_s = time.monotonic() - t0
             return
