@@ -58,6 +58,9 @@ LATE_ANSWERS_S: Final = 5.0
 """After the users stop (and the simulator's own drain), how long the ledger still listens for late
 or repeated answers."""
 
+END_GRACE_S: Final = 60.0
+"""How long the simulated users may take to finish after the last sample before they are stopped."""
+
 LOAD_SHARE: Final = 0.5
 """The soak runs at this share of the sustained query rate."""
 
@@ -164,6 +167,10 @@ class SoakRun:
     samples: list[Sample] = field(default_factory=list)
     error: str | None = None
     simulation: SimulationSummary | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by SIGINT/SIGTERM (``kcloak bench soak``): the traffic ends at once, the samples so far are
+    reported and the run counts as failed ("interrupted")."""
+    interrupted_at_s: float | None = None
 
     def report(self, ledger: AnswerLedger, judged: Verdict) -> dict[str, Any]:
         c = self.cfg
@@ -187,17 +194,21 @@ class SoakRun:
             "ledger": asdict(ledger.totals()),
             "simulation": None if self.simulation is None else self.simulation.to_json(),
             "error": self.error,
+            "interrupted": self.interrupted_at_s is not None,
+            "interrupted_at_s": None if self.interrupted_at_s is None else round(self.interrupted_at_s, 3),
             "verdict": judged.to_json(),
             "host": {"cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
         }
 
 
-async def run_soak(cfg: SoakConfig, *, say: Callable[[str], None]) -> dict[str, Any]:
+async def run_soak(cfg: SoakConfig, *, say: Callable[[str], None], stop: asyncio.Event | None = None) -> dict[str, Any]:
     """Run the soak (module docstring); returns the report (``verdict.passed`` says pass or fail).
+    When ``stop`` is set the traffic ends early, the broker and the LBS are stopped, and the report
+    holds the samples taken so far with a failed ``run`` check ("interrupted").
 
     Raises :class:`kcloak.cli._demo_run.DemoStartupError` when the broker or the LBS cannot start.
     """
-    run = SoakRun(cfg)
+    run = SoakRun(cfg) if stop is None else SoakRun(cfg, stop=stop)
     ledger = AnswerLedger()
     t_begin = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -241,12 +252,19 @@ async def run_soak(cfg: SoakConfig, *, say: Callable[[str], None]) -> dict[str, 
                     + (" (measured)" if cfg.rate is None else " (given)")
                     + f"; soak at {run.target_qps:,.0f} queries/s and {cfg.users:,} fixes/s for {cfg.duration_s:g} s"
                 )
-                if run.target_qps <= 0:
+                if run.stop.is_set():
+                    run.interrupted_at_s = 0.0
+                elif run.target_qps <= 0:
                     run.error = "the broker answered no query while its sustained rate was measured"
                 else:
                     streets = await streets_task
                     await _traffic(run, ledger, streets, broker, pid, data_dir, t_begin, say)
     judged = verdict(run.samples, ledger.totals(), run.target_qps, cfg.criteria)
+    if run.interrupted_at_s is not None:
+        run.error = (
+            f"interrupted after {_clock(run.interrupted_at_s)} of {_clock(cfg.duration_s)} of traffic: "
+            "the samples so far are reported, the run does not count"
+        )
     if run.error is not None:
         judged = Verdict((*judged.checks, Check("run", False, None, None, run.error)))
     return run.report(ledger, judged)
@@ -287,13 +305,36 @@ async def _traffic(
         task = asyncio.create_task(run_simulation(sim, observer=observer))
         try:
             await _sample(run, observer, task, pid, data_dir, broker.http_port, t_begin, say)
-            run.simulation = await task
+            if run.interrupted_at_s is None and not await _simulation_ended(run, task):
+                run.error = f"the simulated users had not finished {END_GRACE_S:g} s after the end of the traffic"
+            if not task.done():
+                say("stopping the users, the broker and the LBS")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return
+            if run.interrupted_at_s is not None:
+                return
+            run.simulation = task.result()
         except BaseException:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
             raise
         await asyncio.sleep(LATE_ANSWERS_S)
+
+
+async def _simulation_ended(run: SoakRun, task: asyncio.Task[SimulationSummary]) -> bool:
+    """Wait for the simulated users to finish after the last sample: False after :data:`END_GRACE_S`,
+    or at once when ``run.stop`` is set (``run.interrupted_at_s`` is then set too)."""
+    stopped = asyncio.create_task(run.stop.wait())
+    try:
+        await asyncio.wait([task, stopped], timeout=END_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if run.stop.is_set() and not task.done():
+        run.interrupted_at_s = run.cfg.duration_s
+    return task.done()
 
 
 async def _sample(
@@ -307,10 +348,31 @@ async def _sample(
     say: Callable[[str], None],
 ) -> None:
     """Take a sample every ``sample_every_s`` from the first fix until ``duration_s``; stops early when
-    the simulation ends or the broker is gone (``run.error``)."""
+    the simulation ends, the broker is gone (``run.error``) or ``run.stop`` is set (``run.interrupted_at_s``)."""
+    stopped = asyncio.create_task(run.stop.wait())
+    try:
+        await _sample_until(run, observer, task, stopped, pid, data_dir, http_port, t_begin, say)
+    finally:
+        stopped.cancel()
+
+
+async def _sample_until(
+    run: SoakRun,
+    observer: SoakObserver,
+    task: asyncio.Task[SimulationSummary],
+    stopped: asyncio.Task[Any],
+    pid: int,
+    data_dir: Path,
+    http_port: int,
+    t_begin: float,
+    say: Callable[[str], None],
+) -> None:
     cfg = run.cfg
     while observer.first_update_t is None:
         if task.done():
+            return
+        if stopped.done():
+            run.interrupted_at_s = 0.0
             return
         await asyncio.sleep(0.05)
     t0 = observer.first_update_t
@@ -324,7 +386,12 @@ async def _sample(
     prev_t = 0.0
     for i in range(1, n + 1):
         t_s = min(i * cfg.sample_every_s, cfg.duration_s)
-        await asyncio.wait([task], timeout=max(0.0, t0 + t_s - time.monotonic()))
+        await asyncio.wait(
+            [task, stopped], timeout=max(0.0, t0 + t_s - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+        )
+        if stopped.done():
+            run.interrupted_at_s = time.monotonic() - t0
+            return
         if task.done() and task.exception() is not None:
             run.error = f"the simulated users stopped: {type(task.exception()).__name__}: {task.exception()}"
             return

@@ -40,8 +40,10 @@ Pass when, after --warmup seconds (120):
 Output: a table of the samples and the verdict (plain lines when stdout is not a terminal), or with
 --json one object {"bench": "soak", "results": [sample, ...], "verdict": {...}, ...}; --plot FILE draws
 RSS, p99 and refusals over time. Progress, with the time left, goes to stderr. Exit codes: 0 pass,
-1 fail (the reasons are printed) or the broker could not start, 2 bad flags, 130 interrupted.
-The full soak (--duration 1200) takes about 22 minutes and is not part of the default test run."""
+1 fail (the reasons are printed) or the broker could not start, 2 bad flags, 130 interrupted:
+Ctrl-C or SIGTERM ends the traffic at once, stops the broker and the LBS, and still prints the samples
+taken so far (the verdict then fails on "interrupted"). The full soak (--duration 1200) takes about
+22 minutes and is not part of the default test run."""
 
 
 def add_parser(bench: SubParsers) -> None:
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kcloak.cli._demo_run import DemoStartupError
+    from kcloak.cli._signals import signals_stop
     from kcloak.cli._soak_run import SoakConfig, plot_soak, run_soak
     from kcloak.core.names import SpatialAlgorithm, values
     from kcloak.simulators.soak import Criteria
@@ -140,8 +143,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_progress:
             err.print(f"[dim]soak:[/dim] {message}")
 
+    async def soak() -> dict[str, Any]:
+        stop = asyncio.Event()
+        with signals_stop(stop):  # Ctrl-C or SIGTERM: stop the children, report what was measured
+            return await run_soak(cfg, say=say, stop=stop)
+
     try:
-        report = asyncio.run(run_soak(cfg, say=say))
+        report = asyncio.run(soak())
     except DemoStartupError as exc:
         print(f"kcloak: error: {exc}", file=sys.stderr)
         return 1
@@ -155,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if not report["verdict"]["passed"]:
         for reason in report["verdict"]["reasons"]:
             print(f"kcloak: soak failed: {reason}", file=sys.stderr)
-        return 1
+        return 130 if report["interrupted"] else 1
     return 0
 
 

@@ -6,6 +6,7 @@ the command reports it consistently); the real 20-minute soak is ``slow``."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,58 @@ def test_twenty_minute_soak_passes(tmp_path: Path) -> None:
     assert len(report["results"]) == 20
     assert report["verdict"]["passed"], report["verdict"]["reasons"]
     assert out.returncode == 0
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of ``pid`` now, read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+SMALL = ("--sample-every", "4", "--warmup", "0", "--rate", "40", "--users", "50")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_stops_the_children_and_still_reports(sig: signal.Signals) -> None:
+    """``kill`` (or Ctrl-C) during the traffic: the broker and the LBS are stopped, not orphaned, and
+    the samples taken so far are printed with an "interrupted" verdict and exit status 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-m", "kcloak", "bench", "soak", "--json", "--duration", "120", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a background job's SIGINT is ignored unless restored: an interactive Ctrl-C is what is meant
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "RSS" in line and "answers/s" in line:  # the first sample: the traffic is running
+            break
+    children = _children(proc.pid)
+    assert len(children) >= 2, "".join(seen)  # kcloak serve and kcloak lbs (and their helpers)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(seen) + err
+    assert "Traceback" not in err, err
+    report = json.loads(out)
+    assert report["interrupted"] is True and report["verdict"]["passed"] is False
+    # the traffic ended at the signal, not at the next sample 4 s later
+    assert [r["t_s"] for r in report["results"]] == [4.0]
+    assert 4.0 <= report["interrupted_at_s"] < 7.0
+    assert any("interrupted" in reason for reason in report["verdict"]["reasons"])
+    left = {pid for pid in children if Path(f"/proc/{pid}").exists()}
+    assert not left, f"still running after the soak ended: {left}"
