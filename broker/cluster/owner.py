@@ -36,6 +36,7 @@ from kcloak.broker.cluster.topology import (
     CELLS_STREAM,
     REGIONS_BUCKET,
     Layout,
+    api_request,
     cell_filter,
     cellq_subject,
     owner_applied_subject,
@@ -122,6 +123,7 @@ class CellOwner:
         self.querylog = querylog
         self.counters = {"events": 0, "queries": 0, "answers": 0, "reused_regions": 0, "rebuilds": 0, "drops": 0}
         self.applied_seq = 0
+        self.ack_all = False  # the consumer's ack policy is ``all`` (read on each pin; else acknowledge each event)
         self._applied = asyncio.Condition()
         self._kv: Any = None
         self._acks = PubAcks(nc)
@@ -186,6 +188,8 @@ class CellOwner:
         await self._stop_queries()
         self._new_parts()
         self.counters["rebuilds"] += 1
+        info = await api_request(self.nc, f"CONSUMER.INFO.{CELLS_STREAM}.{self.member.consumer}", None)
+        self.ack_all = info.get("config", {}).get("ack_policy") == "all"
         events = await read_last_per_subject(self.nc, CELLS_STREAM, cell_filter(self.cell))
         self.applied_seq = 0
         for ev in events:
@@ -252,8 +256,13 @@ class CellOwner:
         for ev in batch:
             self._apply_one(ev)
         self.positions.apply(())  # a new version: views taken from now on hold these events
-        for ev in batch:
-            await self.member.ack(ev)
+        if self.ack_all:  # every event of the batch is applied (or was, below applied_seq): ack the highest
+            acked = [ev for ev in batch if ev.reply is not None]
+            if acked:
+                await self.member.ack(max(acked, key=lambda ev: ev.seq))
+        else:
+            for ev in batch:
+                await self.member.ack(ev)
         async with self._applied:
             self._applied.notify_all()
 

@@ -143,6 +143,7 @@ class PinnedMember:
         self._pull_done = asyncio.Event()
         self._remaining = 0
         self._last_ok = time.monotonic()
+        self._has_pin = asyncio.Event()  # set when a pin id is learnt (wakes the lease watchdog)
         self._queue: asyncio.Queue[Delivered | str] = asyncio.Queue()
         self._buffered = 0
         self._room = asyncio.Event()  # set when the hand-over has taken messages out of the buffer
@@ -172,10 +173,18 @@ class PinnedMember:
                 await self._sub.unsubscribe()
 
     async def _watch_lease(self) -> None:
-        """Give up the pin as soon as no answer to our pulls came for ``lease_s`` (checked every 0.1 s)."""
+        """Give up the pin as soon as no answer to our pulls came for ``lease_s``: the watchdog sleeps until the
+        lease would end (and again from the latest answer), or, holding no pin, until one is gained; no periodic
+        tick, so an idle member (a backup above all) costs no timer wake-ups."""
         while True:
-            await asyncio.sleep(0.1)
-            if self.pin_id is not None and time.monotonic() - self._last_ok > self.lease_s:
+            if self.pin_id is None:
+                self._has_pin.clear()
+                await self._has_pin.wait()
+                continue
+            left = self._last_ok + self.lease_s - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+            else:
                 self._lose_pin("lease")
 
     async def stop(self, *, unpin: bool = True) -> None:
@@ -263,6 +272,7 @@ class PinnedMember:
         pin = headers.get(PIN_HEADER)
         if pin is not None and pin != self.pin_id:
             self.pin_id = pin
+            self._has_pin.set()
             if delivered == 1:
                 self._fresh_from = {pin: seq}
             self._queue.put_nowait(pin)  # marker: on_pinned before the messages that follow

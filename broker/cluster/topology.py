@@ -245,14 +245,15 @@ class Layout:
             "allow_direct": True,
         }
 
-    def pinned_consumer_config(self, name: str, filter_subject: str) -> dict[str, Any]:
-        """A durable pull consumer whose messages go to one pinned client of group ``kcloak`` at a time."""
+    def pinned_consumer_config(self, name: str, filter_subject: str, *, ack_policy: str = "explicit") -> dict[str, Any]:
+        """A durable pull consumer whose messages go to one pinned client of group ``kcloak`` at a time
+        (``ack_policy``: ``explicit``, each message acknowledged, or ``all``, an ack covers every earlier one)."""
         ns = 1_000_000_000
         return {
             "durable_name": name,
             "name": name,
             "filter_subject": filter_subject,
-            "ack_policy": "explicit",
+            "ack_policy": ack_policy,
             "deliver_policy": "all",
             "ack_wait": int(max(30.0, 6 * self.pinned_timeout_s) * ns),
             "max_ack_pending": 10_000,
@@ -263,12 +264,14 @@ class Layout:
         }
 
     def consumers(self) -> list[tuple[str, dict[str, Any]]]:
-        """Every pinned consumer: ``(stream, config)`` for each intake partition and each cell."""
+        """Every pinned consumer: ``(stream, config)`` for each intake partition and each cell. A cell's consumer
+        acknowledges with ``all``: its owner applies each micro-batch in stream order and acknowledges only the
+        batch's highest sequence (one ack, and one replicated ack-floor update, per batch instead of per event)."""
         out: list[tuple[str, dict[str, Any]]] = []
         for p in range(self.partitions):
             out.append((IN_STREAM, self.pinned_consumer_config(f"in-{p}", in_filter(p))))
         for c in range(self.cells):
-            out.append((CELLS_STREAM, self.pinned_consumer_config(f"cell-{c}", cell_filter(c))))
+            out.append((CELLS_STREAM, self.pinned_consumer_config(f"cell-{c}", cell_filter(c), ack_policy="all")))
         return out
 
 
@@ -289,6 +292,15 @@ async def api_request(nc: Any, subject: str, body: dict[str, Any] | None, *, tim
     return data
 
 
+async def _create_consumer(nc: Any, stream: str, config: dict[str, Any], timeout: float) -> None:
+    await api_request(
+        nc,
+        f"CONSUMER.CREATE.{stream}.{config['name']}",
+        {"stream_name": stream, "config": config, "action": ""},
+        timeout=timeout,
+    )
+
+
 async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> None:
     """Create (or update to this layout) every stream, bucket and pinned consumer; safe to run from every process.
 
@@ -304,12 +316,14 @@ async def ensure_layout(nc: Any, layout: Layout, *, timeout: float = 10.0) -> No
                 raise
             await api_request(nc, f"STREAM.UPDATE.{name}", config, timeout=timeout)
     for stream, config in layout.consumers():
-        await api_request(
-            nc,
-            f"CONSUMER.CREATE.{stream}.{config['name']}",
-            {"stream_name": stream, "config": config, "action": ""},
-            timeout=timeout,
-        )
+        try:
+            await _create_consumer(nc, stream, config, timeout)
+        except JetStreamApiError:
+            if config["ack_policy"] == "explicit":
+                raise
+            # A consumer created by an earlier version acknowledges each message, and NATS cannot change a
+            # consumer's ack policy: it keeps it (its owner reads the policy on pin and acknowledges to match).
+            await _create_consumer(nc, stream, {**config, "ack_policy": "explicit"}, timeout)
     js = nc.jetstream(timeout=timeout)
     for bucket in (PROFILES_BUCKET, WINDOWS_BUCKET):
         await js.create_key_value(bucket=bucket, replicas=layout.replicas, history=1)

@@ -151,6 +151,22 @@ def add_parser(bench: SubParsers) -> None:
         "load of the W = 1 run, while the population (--users) is the same at every W: the same density, so the "
         "same mix of answered and refused queries (strong)",
     )
+    p.add_argument(
+        "--min-fix-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="the fix phase sends further rounds (one fix per user) until it has lasted S seconds, even after "
+        "--fixes (5: /proc counts CPU in 10 ms ticks, and a phase of a second or two at W = 1 is a few ticks per "
+        "process); 0 sends exactly --fixes",
+    )
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=6.0,
+        metavar="S",
+        help="seconds the idle CPU of the processes is measured for, after the warm-up (6)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)
 
@@ -660,7 +676,7 @@ def _drive(
         log(f"W={w}: warm-up, {users} fixes (one per user) decided")
         time.sleep(1.0)
         k0, n0, t0 = _cpu(kc), _cpu(nats_pids), time.monotonic()
-        time.sleep(3.0)
+        time.sleep(args.idle_s)
         idle_s = time.monotonic() - t0
         idle_kc, idle_nats = (_cpu(kc) - k0) / idle_s, (_cpu(nats_pids) - n0) / idle_s
         rejected_before = _rejected_by(texts)
@@ -671,9 +687,9 @@ def _drive(
         counts0 = asyncio.run(dep.nats_counts())
         k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
         rnd = 0
-        while sent < load.fixes:
+        while sent < load.fixes or time.monotonic() - t1 < args.min_fix_s:
             payloads = population.fixes(5.0)
-            count = min(users, load.fixes - sent)
+            count = min(users, load.fixes - sent) if sent < load.fixes else users
             for i in range(count):
                 sender.send(i, payloads[i])
             payloads_sent += payloads[:count]
@@ -899,6 +915,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fixes: at least --users (every querier needs a fix)")
     if args.min_query_s < 0:
         raise UsageError("--min-query-s: ≥ 0")
+    if args.min_fix_s < 0 or args.idle_s <= 0:
+        raise UsageError("--min-fix-s: ≥ 0; --idle-s: > 0")
     if not 0 < args.utilisation <= 1:
         raise UsageError("--utilisation: in (0, 1]")
     if args.cells_sample < args.cells or args.skew_users < 1 or args.skew_after_s < 0:
@@ -942,6 +960,8 @@ def run(args: argparse.Namespace) -> int:
             "scale_meaning": SCALE_MEANING[args.scale],
             "users": args.users,
             "fixes": args.fixes,
+            "min_fix_s": args.min_fix_s,
+            "idle_s": args.idle_s,
             "queries": args.queries,
             "fix_transport": "mqtt qos 1 (paho), one connection per gateway",
             "query_transport": f"http, {args.query_threads} in flight",

@@ -29,6 +29,7 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
     cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
     cmd += ["--fix-rate", "1000", "--query-rate", "100", "--utilisation", "0.5", "--min-query-s", "2"]
+    cmd += ["--min-fix-s", "2", "--idle-s", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "W=1:" in done.stderr  # progress on stderr, the JSON alone on stdout
@@ -36,8 +37,11 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert report["bench"] == "cluster" and report["config"]["replicas"] == 3
     [row] = report["results"]
     assert row["workers"] == 1
-    assert row["fixes_sent"] == fixes and row["fixes_pubacked"] == fixes
-    assert row["fixes_accepted"] == fixes and row["fixes_rejected"] == {}
+    # --fixes at least, then whole rounds (one fix per user) until the phase has lasted --min-fix-s
+    sent = row["fixes_sent"]
+    assert sent >= fixes and (sent - fixes) % users == 0 and row["fix_phase_s"] >= 2.0
+    assert row["fixes_pubacked"] == sent and row["fixes_accepted"] == sent and row["fixes_rejected"] == {}
+    assert report["config"]["min_fix_s"] == 2.0 and report["config"]["idle_s"] == 1.0
     # the round of --queries is repeated (fresh ids) until the phase lasted --min-query-s
     sent = row["queries_sent"]
     assert row["query_rounds"] >= 1 and sent == row["query_rounds"] * queries and row["query_phase_s"] >= 2.0
@@ -54,7 +58,8 @@ def test_bench_cluster_counts_add_up_and_the_model_is_its_own_figures() -> None:
     assert row["nats_client_msgs_per_query"] >= 3 and row["nats_route_msgs_per_query"] > 0
     # NATS's own cost, measured in the same run: every payload sent was stored once in each raw stream
     yard = row["nats_yardstick"]
-    assert yard["messages"] == max(fixes, 5000)  # the load's payloads, repeated up to 5,000 for clock-tick resolution
+    # the fix phase's payloads, repeated up to 5,000 for clock-tick resolution
+    assert yard["messages"] == max(row["fixes_sent"], 5000)
     assert yard["r1_stored"] == yard["messages"] and yard["r3_stored"] == yard["messages"]
     for r in ("r1", "r3"):
         assert yard[f"{r}_nats_cpu_us_per_fix"] > 0
@@ -92,7 +97,7 @@ def test_bench_cluster_weak_scaling_sends_w_times_the_per_worker_load_through_w_
     cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1,2", "--scale", "weak", "--json"]
     cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
     cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
-    cmd += ["--min-query-s", "0"]
+    cmd += ["--min-query-s", "0", "--min-fix-s", "0"]  # exactly --fixes × W
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "scale: weak" in done.stderr
