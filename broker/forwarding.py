@@ -44,6 +44,11 @@ class Background:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flushes: list[Callable[[], None]] = []
+
+    def before_wait(self, flush: Callable[[], None]) -> None:
+        """Have :meth:`wait` first call ``flush`` (which spawns what a part still gathers)."""
+        self._flushes.append(flush)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -56,6 +61,8 @@ class Background:
             log_event(log, "store_write_failed", logging.ERROR, store="querylog")
 
     async def wait(self, timeout_s: float) -> None:
+        for flush in self._flushes:
+            flush()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
@@ -90,6 +97,7 @@ class Forwarder:
         self.background = background
         self.clock = clock
         self._log_rows: list[tuple[Any, ...]] = []
+        background.before_wait(self._flush_log)
 
     def _log(self, row: tuple[Any, ...]) -> None:
         """Queue a query-log row; the rows of one loop turn are written together, in the background:
@@ -101,7 +109,8 @@ class Forwarder:
 
     def _flush_log(self) -> None:
         rows, self._log_rows = self._log_rows, []
-        self.background.spawn(self.querylog.record_rows(rows))
+        if rows:  # none when the background's wait took them first
+            self.background.spawn(self.querylog.record_rows(rows))
 
     async def forward(
         self, q: Query, profile: PrivacyProfile, region: Region, lat: float, lon: float, timing: Timing

@@ -7,7 +7,7 @@
 - the embedded MQTT door publishing from the query's own task: exactly one answer per admitted
   query, duplicates dropped, over a real MQTT client;
 - query-log rows gathered per loop turn and committed late: every forwarded query has its row
-  once the broker has stopped.
+  once the broker has stopped, or once the background writes are awaited in the same turn.
 """
 
 from __future__ import annotations
@@ -26,11 +26,17 @@ from typing import Any
 import aiomqtt
 from aiohttp import ClientSession
 
+from kcloak.broker.forwarding import Background, Forwarder, Timing
+from kcloak.broker.metrics import Metrics
 from kcloak.broker.mqtt import encode_message
 from kcloak.broker.service import Broker
-from kcloak.broker.upstream import new_pseudonym
-from kcloak.core.profile import ReasonCode
+from kcloak.broker.stores import QueryLog
+from kcloak.broker.upstream import UpstreamClient, new_pseudonym
+from kcloak.cloaking.cloakers import Region
+from kcloak.core.geometry import BBox
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 from kcloak.wire.answers import Answer, AnsweredRegion, PoiResult, SessionBrief
+from kcloak.wire.payloads import parse_query
 from tests.broker.conftest import SpyUpstream, broker_config
 
 PSEUDONYM_RE = re.compile(r"[0-9a-f]{32}")
@@ -173,3 +179,31 @@ async def test_embedded_door_answers_each_admitted_query_once(tmp_path: Path, sp
     with sqlite3.connect(tmp_path / "data" / "querylog.sqlite3") as conn:
         rows = conn.execute("SELECT kind, outcome FROM forwarded").fetchall()
     assert rows == [("knn", "ok")] * forwarded
+
+
+async def test_rows_of_the_last_turn_are_written_when_the_background_is_awaited(
+    tmp_path: Path, spy: SpyUpstream
+) -> None:
+    """A part that stops right after its last answer (``Background.wait`` in the same loop turn)
+    still gets that query's row written: the rows gathered for the turn are handed over first."""
+    metrics = Metrics(version="test", algorithm="hilbert")
+    querylog = QueryLog(tmp_path / "querylog.sqlite3")
+    background = Background()
+    region = Region(BBox(116_390_000, 39_900_000, 116_410_000, 39_920_000), 7, 3.9e6, "hilbert")
+    async with UpstreamClient(url=spy.url, metrics=metrics) as upstream:
+        forwarder = Forwarder(
+            algorithm="hilbert",
+            queue_capacity=8,
+            metrics=metrics,
+            upstream=upstream,
+            querylog=querylog,
+            background=background,
+        )
+        q = parse_query({"query_id": "last-1", "kind": "knn", "n": 2})
+        answer = await forwarder.forward(q, PrivacyProfile(k=5), region, 39.91, 116.40, Timing())
+        await background.wait(5.0)  # no loop turn in between
+    await asyncio.to_thread(querylog.close)
+    assert answer.status == "ok" and len(spy.requests) == 1
+    with sqlite3.connect(tmp_path / "querylog.sqlite3") as conn:
+        rows = conn.execute("SELECT kind, outcome, min_lon, max_lat, k_achieved FROM forwarded").fetchall()
+    assert rows == [("knn", "ok", 116.39, 39.92, 7)]
