@@ -1,7 +1,8 @@
 """``kcloak bench broker``: sustained intake and query rates, and the latency the broker adds.
 
 The broker runs as a real ``kcloak serve`` process; the MQTT broker is a spawned mosquitto
-(when on PATH) or the embedded one; the upstream is an instant in-process provider. Load comes
+(when on PATH) or the embedded one; the upstream is an instant in-process provider (a minimal
+HTTP/1.1 server in a thread). Load comes
 from separate client processes so that the client is not the bottleneck on the broker's
 process. Rates are read from the broker's own counters (``/metrics``), so they count what the
 broker accepted and answered, not what clients managed to send. Added latency comes from the
@@ -99,30 +100,65 @@ def histogram_quantile(before: dict[str, float], after: dict[str, float], transp
 
 
 # -- processes -------------------------------------------------------------------------------------
+INSTANT_ANSWER = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n{"candidates":[]}'
+"""What the instant provider answers every request: no candidates, the connection kept open."""
+
+
+class _InstantProvider(asyncio.Protocol):
+    """One connection of :func:`instant_upstream`: every complete request (head and
+    ``Content-Length`` body) is answered :data:`INSTANT_ANSWER`, the answers of one read in one
+    write. It costs the host a few CPU-µs per query, so that the query phase measures the broker
+    rather than the bench's provider (aiohttp there took about 95 CPU-µs per request, a third of
+    what the broker spent)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        answers = 0
+        while (end := buf.find(b"\r\n\r\n")) >= 0:
+            length = 0
+            for line in bytes(buf[:end]).split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(buf) < end + 4 + length:
+                break
+            del buf[: end + 4 + length]
+            answers += 1
+        if answers and self.transport is not None:
+            self.transport.write(INSTANT_ANSWER * answers)
+
+
+INSTANT_THREADS: dict[str, int] = {}
+"""The thread id (as ``/proc/<id>/stat`` knows it) of each running :func:`instant_upstream`, by URL."""
+
+
 @contextlib.contextmanager
 def instant_upstream() -> Iterator[str]:
-    """An instant provider in a thread of this process (answers ``{"candidates": []}``)."""
+    """An instant provider in a thread of this process: a minimal HTTP/1.1 server
+    (:class:`_InstantProvider`) that answers every request ``{"candidates": []}``."""
     import threading
 
     port = free_port()
     loop = asyncio.new_event_loop()
     ready = threading.Event()
-    runner_box: list[web.AppRunner] = []
-
-    async def search(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"candidates": []})
+    servers: list[asyncio.Server] = []
+    url = f"http://127.0.0.1:{port}"
 
     async def start() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/search", search)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runner_box.append(runner)
+        servers.append(await loop.create_server(_InstantProvider, "127.0.0.1", port))
         ready.set()
 
     def serve() -> None:
+        INSTANT_THREADS[url] = threading.get_native_id()
         asyncio.set_event_loop(loop)
         loop.run_until_complete(start())
         loop.run_forever()
@@ -131,10 +167,11 @@ def instant_upstream() -> Iterator[str]:
     thread.start()
     ready.wait(10)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        if runner_box:
-            asyncio.run_coroutine_threadsafe(runner_box[0].cleanup(), loop).result(5)
+        INSTANT_THREADS.pop(url, None)
+        if servers:
+            loop.call_soon_threadsafe(servers[0].close)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
 
@@ -609,6 +646,9 @@ class Phase:
     cpu_us_per_item: float | None
     generator_cpu_cores: float | None
     generator_cpu_max: float | None
+    side_cpu_us_per_item: float | None = None
+    """CPU microseconds of the ``side`` thread or process of :func:`_run_phase` per item of the
+    first counter, over the measured interval."""
 
 
 def _cpu_of(pids: list[int]) -> list[float | None]:
@@ -626,10 +666,12 @@ def _run_phase(
     server_pid: int | None,
     *,
     extra_generators: list[int] = [],  # noqa: B006 (never mutated)
+    side: int | None = None,
 ) -> Phase:
     """Run workers; the rate of each counter that ``sample`` reads, over the middle of the run, with
     the CPU the server process (``server_pid``) and the workers (with ``extra_generators``, other
-    processes of the load side such as a counting subscriber) spent over the same interval."""
+    processes of the load side such as a counting subscriber) spent over the same interval, and
+    that of ``side`` (a thread or process id, e.g. the instant provider's thread) per item."""
     ctx = mp.get_context("spawn")
     duration = args_for[0][2]
     # Workers start only after their interpreter has started and imported the bench (seconds on a
@@ -647,9 +689,10 @@ def _run_phase(
     time.sleep(max(started + warm - time.monotonic(), 0.0))
     pids = [p.pid for p in procs if p.pid is not None] + extra_generators
     server = [] if server_pid is None else [server_pid]
-    c0, g0, m0, t0 = _cpu_of(server), _cpu_of(pids), sample(), time.monotonic()
+    sides = [] if side is None else [side]
+    c0, g0, s0, m0, t0 = _cpu_of(server), _cpu_of(pids), _cpu_of(sides), sample(), time.monotonic()
     time.sleep(max(started + duration - warm - t0, 0.5))
-    g1, m1, t1 = _cpu_of(pids), sample(), time.monotonic()
+    g1, s1, m1, t1 = _cpu_of(pids), _cpu_of(sides), sample(), time.monotonic()
     for p in procs:
         p.terminate()
     for p in procs:
@@ -661,11 +704,15 @@ def _run_phase(
     if server and c0[0] is not None and c2[0] is not None and drained[0] > m0[0]:
         cpu_us = round((c2[0] - c0[0]) / (drained[0] - m0[0]) * 1e6, 2)
     spent = [(b - a) / wall for a, b in zip(g0, g1, strict=True) if a is not None and b is not None]
+    side_us: float | None = None
+    if sides and s0[0] is not None and s1[0] is not None and m1[0] > m0[0]:
+        side_us = round((s1[0] - s0[0]) / (m1[0] - m0[0]) * 1e6, 2)
     return Phase(
         rates=[(b - a) / wall for a, b in zip(m0, m1, strict=True)],
         cpu_us_per_item=cpu_us,
         generator_cpu_cores=round(sum(spent), 3) if spent else None,
         generator_cpu_max=round(max(spent), 3) if spent else None,
+        side_cpu_us_per_item=side_us,
     )
 
 
@@ -891,6 +938,7 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                     [(port, part, d, None, f"max{i}", *extra) for i, part in enumerate(_split(users, parts))],
                     _query_sampler(http_port, transport),
                     server.pid,
+                    side=INSTANT_THREADS.get(upstream),
                 )
                 qps, refused_qps, received_qps = queries.rates
                 note = _queries_note(qps, refused_qps, received_qps, q_before, scrape(http_port), transport)
@@ -921,6 +969,10 @@ def run_broker_bench(cfg: BrokerBenchConfig, *, log: Any = None) -> dict[str, An
                     "latency_at_qps": round(qps / 2, 1),
                     "added_latency_ms_p50": None if p50 is None else round(p50 * 1000, 3),
                     "added_latency_ms_p99": None if p99 is None else round(p99 * 1000, 3),
+                    "cpu_us_per_query": queries.cpu_us_per_item,
+                    "upstream_cpu_us_per_query": queries.side_cpu_us_per_item,
+                    "query_generator_cpu_cores": queries.generator_cpu_cores,
+                    "query_generator_cpu_max": queries.generator_cpu_max,
                     **{k: v for k, v in intake[transport].items() if k != "updates_per_s"},
                     "queries_note": note,
                 }

@@ -44,6 +44,11 @@ class Background:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flushes: list[Callable[[], None]] = []
+
+    def before_wait(self, flush: Callable[[], None]) -> None:
+        """Have :meth:`wait` first call ``flush`` (which spawns what a part still gathers)."""
+        self._flushes.append(flush)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -56,6 +61,8 @@ class Background:
             log_event(log, "store_write_failed", logging.ERROR, store="querylog")
 
     async def wait(self, timeout_s: float) -> None:
+        for flush in self._flushes:
+            flush()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
@@ -89,6 +96,21 @@ class Forwarder:
         self.querylog = querylog
         self.background = background
         self.clock = clock
+        self._log_rows: list[tuple[Any, ...]] = []
+        background.before_wait(self._flush_log)
+
+    def _log(self, row: tuple[Any, ...]) -> None:
+        """Queue a query-log row; the rows of one loop turn are written together, in the background:
+        the answer does not wait for their commit (the writer thread drains every queued row before
+        the store closes)."""
+        if not self._log_rows:
+            asyncio.get_running_loop().call_soon(self._flush_log)
+        self._log_rows.append(row)
+
+    def _flush_log(self) -> None:
+        rows, self._log_rows = self._log_rows, []
+        if rows:  # none when the background's wait took them first
+            self.background.spawn(self.querylog.record_rows(rows))
 
     async def forward(
         self, q: Query, profile: PrivacyProfile, region: Region, lat: float, lon: float, timing: Timing
@@ -118,27 +140,23 @@ class Forwarder:
             timing.upstream += time.monotonic() - started
             self.metrics.queue_depth.labels(queue="upstream").set(self.upstream.waiting)
         forwarded_t = self.clock()
-        # The query log is written in the background: the answer does not wait for its commit
-        # (the writer thread drains every queued row before the store closes).
-        self.background.spawn(
-            self.querylog.record(
-                FORWARDED.row(
-                    t=forwarded_t,
-                    kind=q.kind,
-                    radius_m=q.radius_m,
-                    n=q.n,
-                    category=q.category,
-                    min_lon=bbox[0],
-                    min_lat=bbox[1],
-                    max_lon=bbox[2],
-                    max_lat=bbox[3],
-                    t_start=region.t_start,
-                    t_end=region.t_end,
-                    area_m2=region.area_m2,
-                    k_achieved=region.k_achieved,
-                    algorithm=self.algorithm,
-                    outcome=outcome,
-                )
+        self._log(
+            FORWARDED.row(
+                t=forwarded_t,
+                kind=q.kind,
+                radius_m=q.radius_m,
+                n=q.n,
+                category=q.category,
+                min_lon=bbox[0],
+                min_lat=bbox[1],
+                max_lon=bbox[2],
+                max_lat=bbox[3],
+                t_start=region.t_start,
+                t_end=region.t_end,
+                area_m2=region.area_m2,
+                k_achieved=region.k_achieved,
+                algorithm=self.algorithm,
+                outcome=outcome,
             )
         )
         if outcome != "ok":

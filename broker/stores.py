@@ -577,6 +577,12 @@ class MovementStore:
                 return total
 
 
+QUERYLOG_LINGER_S = 0.05
+"""The query log's writer gathers rows this long before it commits: no answer waits for them, and
+under load one commit (one wake-up of the writer thread, one of the event loop) then serves
+hundreds of queries instead of a few."""
+
+
 class QueryLog:
     """``querylog.sqlite3``: one row per forwarded query; no user id, query id or pseudonym."""
 
@@ -592,7 +598,13 @@ class QueryLog:
     ) -> None:
         self._conn = open_db(path, QUERYLOG_FILE)
         self.writer = GroupCommitWriter(
-            self._conn, self.INSERT, capacity=capacity, on_commit=on_commit, name="querylog", health=health
+            self._conn,
+            self.INSERT,
+            capacity=capacity,
+            on_commit=on_commit,
+            name="querylog",
+            health=health,
+            linger_s=QUERYLOG_LINGER_S,
         )
         self.health = self.writer.health
 
@@ -602,3 +614,6 @@ class QueryLog:
 
     async def record(self, row: tuple[Any, ...]) -> None:
         await self.writer.write([row])
+
+    async def record_rows(self, rows: list[tuple[Any, ...]]) -> None:
+        await self.writer.write(rows)

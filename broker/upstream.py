@@ -11,15 +11,17 @@ are checked strictly before the broker filters them.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import os
 import random
-import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from kcloak import __version__
 from kcloak.broker.errors import BrokerError
@@ -69,9 +71,36 @@ class SearchRequest:
         return out
 
 
+_RANDOM_BATCH = 4096
+"""Bytes of the operating system's CSPRNG read at once for pseudonyms (256 of them per read)."""
+_random = bytearray()
+_random_lock = threading.Lock()
+
+
+def _forget_random() -> None:
+    """A forked child must not hand out the pseudonyms its parent still holds."""
+    global _random_lock
+    _random.clear()
+    _random_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_random)
+
+
+_ENCODER = msgspec.json.Encoder()
+"""Request bodies: compact JSON, as ``json.dumps(…, separators=(",", ":"))`` but UTF-8 rather
+than ``\\u`` escapes (the same values for any JSON reader)."""
+
+
 def new_pseudonym() -> str:
-    """32 lowercase hex characters, 128 random bits (contract §1)."""
-    return secrets.token_hex(16)
+    """32 lowercase hex characters, 128 random bits (contract §1), from ``os.urandom`` (read
+    :data:`_RANDOM_BATCH` bytes at a time; each byte is handed out once, then dropped)."""
+    with _random_lock:
+        if not _random:
+            _random.extend(os.urandom(_RANDOM_BATCH))
+        out = _random[-16:].hex()
+        del _random[-16:]
+    return out
 
 
 class _Retryable(BrokerError):
@@ -160,14 +189,17 @@ class UpstreamClient:
         """Candidates for ``request``; raises :class:`UpstreamError` after the retry policy."""
         assert self._pool is not None, "UpstreamClient used outside its context"
         deadline = time.monotonic() + self.deadline_s
-        self.waiting += 1
-        try:
-            async with asyncio.timeout(self.deadline_s):
-                await self._sem.acquire()
-        except TimeoutError:
-            raise UpstreamError("upstream deadline passed while waiting for a connection") from None
-        finally:
-            self.waiting -= 1
+        if self._sem.locked():  # only a wait for a free connection needs its deadline
+            self.waiting += 1
+            try:
+                async with asyncio.timeout(self.deadline_s):
+                    await self._sem.acquire()
+            except TimeoutError:
+                raise UpstreamError("upstream deadline passed while waiting for a connection") from None
+            finally:
+                self.waiting -= 1
+        else:
+            await self._sem.acquire()  # returns at once, without suspending
         try:
             attempt = 0
             while True:
@@ -200,7 +232,7 @@ class UpstreamClient:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            body = json.dumps(request.body(new_pseudonym()), separators=(",", ":")).encode()
+            body = _ENCODER.encode(request.body(new_pseudonym()))
             try:
                 resp = await self._pool.request("POST", self._path, body, timeout_s=min(self.timeout_s, remaining))
             except HttpTimeout:
