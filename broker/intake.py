@@ -108,10 +108,11 @@ class FixIntake:
         last_t = self._last_t
         buckets = self._update_buckets
         take, bucket_now = buckets.take, buckets.clock()
+        add_row, add_where = rows.append, where.append
+        if self.closing:  # nothing below awaits: it cannot change during the loop
+            codes = [ReasonCode.SHUTDOWN] * len(items)
+            items = []
         for i, (user, raw) in enumerate(items):
-            if self.closing:
-                codes[i] = ReasonCode.SHUTDOWN
-                continue
             if isinstance(raw, Fix):
                 fix = raw
             else:
@@ -137,8 +138,8 @@ class FixIntake:
             if user not in previous:
                 previous[user] = last
             last_t[user] = t
-            rows.append((user, t, fix.lat, fix.lon))
-            where.append(i)
+            add_row((user, t, fix.lat, fix.lon))
+            add_where(i)
         if rows and not self.movement.writer.try_reserve(len(rows)):
             self._refuse(codes, where, previous)
             rows = []
