@@ -21,7 +21,6 @@ from typing import Any
 from kcloak.broker.config import CloakingConfig, LimitsConfig
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.positions import Positions
-from kcloak.broker.ratelimit import TokenBuckets
 from kcloak.broker.stores import MovementStore
 from kcloak.core.logs import log_event
 from kcloak.core.profile import ReasonCode
@@ -31,6 +30,19 @@ log = logging.getLogger("kcloak.pipeline")
 
 FIX_CHUNK = 500
 """Most fixes of one batch handled in one event-loop turn (:meth:`FixIntake.submit_fix_batch`)."""
+
+
+class _UserState:
+    """What intake remembers of one user: the latest accepted fix time (``-inf``: none) and the
+    token bucket of the update rate (``tokens`` as of ``filled_at``, a monotonic time). One record,
+    found with one lookup per fix, instead of a dictionary for times and another for buckets."""
+
+    __slots__ = ("filled_at", "last_t", "tokens")
+
+    def __init__(self, tokens: float, filled_at: float) -> None:
+        self.last_t = -math.inf
+        self.tokens = tokens
+        self.filled_at = filled_at
 
 
 @dataclass(slots=True)
@@ -49,7 +61,8 @@ class FixIntake:
 
     Keyword arguments: ``cloaking`` (clock skew, maximum age, ``stale_after_s``), ``limits`` (the
     per-user update rate), ``metrics``, ``movement`` (the write-ahead store), ``positions`` (where
-    accepted fixes are applied), ``clock`` (Unix seconds). After :meth:`begin_shutdown` every fix
+    accepted fixes are applied), ``clock`` (Unix seconds), ``bucket_clock`` (the monotonic seconds
+    that refill the update rate's token buckets). After :meth:`begin_shutdown` every fix
     is rejected ``shutdown``.
     """
 
@@ -62,6 +75,7 @@ class FixIntake:
         movement: MovementStore,
         positions: Positions,
         clock: Callable[[], float] = time.time,
+        bucket_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cloaking = cloaking
         self.metrics = metrics
@@ -69,8 +83,9 @@ class FixIntake:
         self.positions = positions
         self.clock = clock
         self.closing = False
-        self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
-        self._last_t: dict[str, float] = {}
+        self._rate, self._burst = limits.update_rate, float(limits.update_burst)
+        self._bucket_clock = bucket_clock
+        self._users: dict[str, _UserState] = {}
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
         """Per user, the marker of the latest fix submission that held a fix of the user
@@ -90,8 +105,14 @@ class FixIntake:
         recent = [] if history is None else self.movement.fixes_between(now - history.keep_s, math.inf)
         self.positions.restore(latest, recent)
         for user, t, _, _ in latest:
-            self._last_t[user] = t
+            self._state(user).last_t = t
         return len(latest)
+
+    def _state(self, user: str) -> _UserState:
+        state = self._users.get(user)
+        if state is None:
+            state = self._users[user] = _UserState(self._burst, self._bucket_clock())
+        return state
 
     async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
         """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
@@ -104,14 +125,14 @@ class FixIntake:
         codes: list[ReasonCode | None] = [None] * len(items)
         rows: list[tuple[str, float, float, float]] = []
         where: list[int] = []
-        previous: dict[str, float | None] = {}
-        last_t = self._last_t
-        buckets = self._update_buckets
-        take, bucket_now = buckets.take, buckets.clock()
+        previous: dict[_UserState, float] = {}
+        users = self._users
+        rate, burst, bucket_now = self._rate, self._burst, self._bucket_clock()
+        add_row, add_where = rows.append, where.append
+        if self.closing:  # nothing below awaits: it cannot change during the loop
+            codes = [ReasonCode.SHUTDOWN] * len(items)
+            items = []
         for i, (user, raw) in enumerate(items):
-            if self.closing:
-                codes[i] = ReasonCode.SHUTDOWN
-                continue
             if isinstance(raw, Fix):
                 fix = raw
             else:
@@ -127,18 +148,28 @@ class FixIntake:
             if t < oldest:
                 codes[i] = ReasonCode.TOO_OLD
                 continue
-            last = last_t.get(user)
-            if last is not None and t <= last:
+            state = users.get(user)
+            if state is None:
+                state = users[user] = _UserState(burst, bucket_now)
+            last = state.last_t
+            if t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
-            if not take(user, now=bucket_now):
+            # The update rate's token bucket (as ratelimit.TokenBuckets.take, held in the record).
+            tokens = state.tokens + (bucket_now - state.filled_at) * rate
+            if tokens > burst:
+                tokens = burst
+            state.filled_at = bucket_now
+            if tokens < 1:
+                state.tokens = tokens
                 codes[i] = ReasonCode.RATE_LIMITED
                 continue
-            if user not in previous:
-                previous[user] = last
-            last_t[user] = t
-            rows.append((user, t, fix.lat, fix.lon))
-            where.append(i)
+            state.tokens = tokens - 1
+            if state not in previous:
+                previous[state] = last
+            state.last_t = t
+            add_row((user, t, fix.lat, fix.lon))
+            add_where(i)
         if rows and not self.movement.writer.try_reserve(len(rows)):
             self._refuse(codes, where, previous)
             rows = []
@@ -160,16 +191,14 @@ class FixIntake:
         self.metrics.users_indexed.set(len(self.positions))
         return FixResult(codes)
 
-    def _refuse(self, codes: list[ReasonCode | None], where: list[int], previous: dict[str, float | None]) -> None:
+    @staticmethod
+    def _refuse(codes: list[ReasonCode | None], where: list[int], previous: dict[_UserState, float]) -> None:
         """The fixes at ``where`` passed every check but cannot be stored: ``overloaded``, and each
         user's last accepted time back to what it was before this call."""
         for i in where:
             codes[i] = ReasonCode.OVERLOADED
-        for user, t in previous.items():
-            if t is None:
-                self._last_t.pop(user, None)
-            else:
-                self._last_t[user] = t
+        for state, t in previous.items():
+            state.last_t = t
 
     async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
         """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes

@@ -101,6 +101,8 @@ class MqttDoor:
         self._pending_done: asyncio.Future[Any] | None = None
         self._held: asyncio.Future[Any] | None = None  # never done: messages received while closing
         self.connections = config.mqtt.ingest_connections
+        self._batch_bytes, self._body_bytes = config.limits.batch_bytes, config.limits.body_bytes
+        self._ingest_queue = config.queues.ingest
 
     def embedded_server(self, *, host: str, port: int, tokens: TokenStore | None) -> MqttServer:
         """The in-process MQTT server whose input is this door's :meth:`dispatch` (enter it before
@@ -318,7 +320,10 @@ class MqttDoor:
         return known
 
     def _dispatch(self, topic: str, payload: bytes, retain: bool) -> asyncio.Future[Any] | None:
-        parsed = self._topic(topic)
+        try:  # a known topic: one lookup, no call
+            parsed = self._topics[topic]
+        except KeyError:
+            parsed = self._topic(topic)
         if parsed is None:
             return None
         kind, user, user_ok = parsed
@@ -331,11 +336,10 @@ class MqttDoor:
         if not user_ok:
             self._drop(kind, "invalid")
             return None
-        limit = self.config.limits.batch_bytes if kind == "updates" else self.config.limits.body_bytes
-        if len(payload) > limit:
+        if len(payload) > (self._batch_bytes if kind == "updates" else self._body_bytes):
             self._drop(kind, "too_large")
             return None
-        if self._inflight >= self.config.queues.ingest:
+        if self._inflight >= self._ingest_queue:
             self._drop(kind, "overloaded")
             return None
         if kind == "update":
@@ -351,10 +355,12 @@ class MqttDoor:
             # Single fixes are gathered over one loop iteration and stored in one write (they keep
             # their arrival order, so per-user ordering rules apply as if handled one by one).
             self._pending_fixes.append((user, fix))
-            if self._pending_done is None:
-                self._pending_done = asyncio.get_running_loop().create_future()
-                asyncio.get_running_loop().call_soon(self._flush_fixes)
-            return self._pending_done
+            done = self._pending_done
+            if done is None:
+                loop = asyncio.get_running_loop()
+                done = self._pending_done = loop.create_future()
+                loop.call_soon(self._flush_fixes)
+            return done
         try:
             obj = parse_json_object(payload)
         except MalformedJson:  # whatever made it unparseable (parse_json_object raises nothing else)

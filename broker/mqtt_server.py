@@ -87,21 +87,23 @@ def valid_topic_filter(flt: str) -> bool:
     return True
 
 
-_TOPIC_NAMES: dict[bytes, str] = {}
+_TOPIC_NAMES: dict[bytes, tuple[str, tuple[str, str] | None]] = {}
 TOPIC_NAME_CACHE = 65_536
-"""PUBLISH topics already read and found valid (cleared when full; see :func:`_topic_name`)."""
+"""PUBLISH topics already read and found valid, with their :func:`input_topic` reading (cleared
+when full; see :func:`_topic_name`)."""
 
 
-def _topic_name(raw: bytes) -> str:
-    """A PUBLISH's topic name: strict MQTT UTF-8 (no NUL) and no wildcard, else :class:`MalformedFrame`.
-    Remembered, since every app publishes on the same few topics over and over."""
+def _topic_name(raw: bytes) -> tuple[str, tuple[str, str] | None]:
+    """A PUBLISH's topic name (strict MQTT UTF-8, no NUL, no wildcard, else :class:`MalformedFrame`)
+    and its :func:`input_topic` reading. Remembered, since every app publishes on the same few
+    topics over and over: a PUBLISH costs one lookup of its topic's bytes."""
     topic = decode_str(raw)
     if not valid_topic_name(topic):
         raise MalformedFrame("bad topic name")
     if len(_TOPIC_NAMES) >= TOPIC_NAME_CACHE:
         _TOPIC_NAMES.clear()
-    _TOPIC_NAMES[raw] = topic
-    return topic
+    entry = _TOPIC_NAMES[raw] = topic, input_topic(topic)
+    return entry
 
 
 def topic_matches(flt: str, topic: str) -> bool:
@@ -472,9 +474,9 @@ class _Connection(asyncio.Protocol):
         if pos > end:
             raise MalformedFrame("field beyond the packet")
         raw = bytes(buf[i + 2 : pos])
-        topic = _TOPIC_NAMES.get(raw)
-        if topic is None:
-            topic = _topic_name(raw)
+        entry = _TOPIC_NAMES.get(raw)
+        if entry is None:
+            entry = _topic_name(raw)
         pid = 0
         if qos:
             pid = read_u16(self.buf, pos, end)
@@ -486,7 +488,7 @@ class _Connection(asyncio.Protocol):
         if qos == 2 and pid in session.qos2:  # a retransmission before PUBREL: delivered once only
             self._ack(PUBREC, pid, session.qos2[pid])
             return
-        fut = self.server._route(self.user, topic, bytes(buf[pos:end]), retain)
+        fut = self.server._route(self.user, entry[0], entry[1], bytes(buf[pos:end]), retain)
         if qos == 1:
             self._ack(PUBACK, pid, fut)
         elif qos == 2:
@@ -632,7 +634,7 @@ class _Connection(asyncio.Protocol):
         will, self.will = self.will, None
         if will is not None:
             topic, payload, retain = will
-            self.server._route(self.user, topic, payload, retain)
+            self.server._route(self.user, topic, input_topic(topic), payload, retain)
 
     def _connect_timeout(self) -> None:
         self.timer = None
@@ -831,10 +833,11 @@ class MqttServer:
             return user is None or user in self.published_readers
         return False
 
-    def _route(self, user: str | None, topic: str, payload: bytes, retain: bool) -> asyncio.Future[object] | None:
-        """An app's PUBLISH (or will): input topics of its own user go to ``dispatch``, nothing else
-        goes anywhere."""
-        parsed = input_topic(topic)
+    def _route(
+        self, user: str | None, topic: str, parsed: tuple[str, str] | None, payload: bytes, retain: bool
+    ) -> asyncio.Future[object] | None:
+        """An app's PUBLISH (or will) on ``topic`` (``parsed``: its :func:`input_topic` reading):
+        input topics of its own user go to ``dispatch``, nothing else goes anywhere."""
         if parsed is None:
             self._count_drop("topic_not_allowed")
             return None
