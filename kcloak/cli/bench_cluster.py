@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -140,6 +141,18 @@ def add_parser(bench: SubParsers) -> None:
         metavar="S",
         help="repeat the --queries (fresh query ids) until the query phase lasted S seconds (5): CPU is counted "
         "in clock ticks of 10 ms, a phase under a second is mostly rounding",
+    )
+    p.add_argument(
+        "--query-rate-per-worker",
+        type=float,
+        default=None,
+        metavar="Q",
+        help="send the queries open-loop at Q x W queries/s (each query at its scheduled time, at most "
+        "--query-threads in flight) instead of as fast as the threads go, for at least --min-query-s and "
+        "--queries: every W then sees the same rate per worker, so on a host with fewer cores than workers "
+        "the processes are as busy at W = 8 as at W = 1 (closed-loop load gives each of 8 workers on 2 cores "
+        "a quarter of a core and a fraction of the W = 1 rate, and a process woken for fewer messages "
+        "spends more per message); pick Q so that the host holds Q x max(W) (the row says whether it did)",
     )
     p.add_argument(
         "--scale",
@@ -725,9 +738,17 @@ def _drive(
     l3, wake3 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     results: list[tuple[int, dict[str, Any]]] = []
+    paced = None if args.query_rate_per_worker is None else args.query_rate_per_worker * w
     with ThreadPoolExecutor(max_workers=load.query_threads) as pool:
-        while not results or time.monotonic() - t3 < args.min_query_s:
-            results += pool.map(one, range(len(results), len(results) + load.queries))
+        if paced is None:
+            while not results or time.monotonic() - t3 < args.min_query_s:
+                results += pool.map(one, range(len(results), len(results) + load.queries))
+        else:
+            futures = []
+            for i in range(max(load.queries, math.ceil(paced * args.min_query_s))):
+                time.sleep(max(0.0, t3 + i / paced - time.monotonic()))
+                futures.append(pool.submit(one, i))
+            results = [f.result() for f in futures]
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     l4, wake4 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     client4, route4 = dep.nats_client_route_counts()
@@ -796,6 +817,9 @@ def _drive(
         "query_phase_s": round(query_s, 2),
         "host_fixes_per_s": round(accepted / fix_s, 1) if fix_s else None,
         "host_queries_per_s": round(len(answered) / query_s, 1) if query_s else None,
+        "query_rate_target": paced,
+        # the host held the pace when the phase took at most 10 % longer than the schedule
+        "query_pace_held": None if paced is None else bool(query_s <= 1.1 * len(results) / paced + 1.0),
     }
 
 
@@ -868,6 +892,8 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
             f"ok share of the answered queries {first.get('queries_ok_share')} vs {last.get('queries_ok_share')}"
         ),
     }
+    if first.get("query_rate_target") is not None:
+        out["compares"] += f", queries paced at {first['query_rate_target'] / first['workers']:g} per second per worker"
     a_share, b_share = first.get("queries_ok_share"), last.get("queries_ok_share")
     out["same_query_mix"] = a_share is not None and b_share is not None and abs(a_share - b_share) <= OK_SHARE_GAP
     for kind in ("fix", "query"):
@@ -887,6 +913,9 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
         ) + f" (worst growth {worst:+.1%}, target ≤ {target:.0%})"
         if not out["same_query_mix"]:
             out["verdict"] += "; the query mixes differ (ok shares), so the query figure is not like for like"
+        behind = [r["workers"] for r in rows if r.get("query_pace_held") is False]
+        if behind:
+            out["verdict"] += f"; the host did not hold the query pace at W={','.join(map(str, behind))}"
     return out
 
 
@@ -913,6 +942,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fixes, --queries, --users, --cells and --partitions must be ≥ 1")
     if args.scale == "strong" and args.fixes < args.users:
         raise UsageError("--fixes: at least --users (every querier needs a fix)")
+    if args.query_rate_per_worker is not None and not (
+        math.isfinite(args.query_rate_per_worker) and args.query_rate_per_worker > 0
+    ):
+        raise UsageError("--query-rate-per-worker: must be finite and > 0")
     if args.min_query_s < 0:
         raise UsageError("--min-query-s: ≥ 0")
     if args.min_fix_s < 0 or args.idle_s <= 0:
@@ -966,6 +999,7 @@ def run(args: argparse.Namespace) -> int:
             "fix_transport": "mqtt qos 1 (paho), one connection per gateway",
             "query_transport": f"http, {args.query_threads} in flight",
             "min_query_s": args.min_query_s,
+            "query_rate_per_worker": args.query_rate_per_worker,
             "query": {"kind": "knn", "n": 3},
         },
         "results": rows,
