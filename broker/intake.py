@@ -34,6 +34,16 @@ FIX_CHUNK = 500
 
 
 @dataclass(slots=True)
+class _OpenBatch:
+    """Single fixes of one event-loop turn (:meth:`FixIntake.decide_fix`), decided as one submission."""
+
+    transport: str
+    decided: asyncio.Future[None]
+    items: list[tuple[str, Any]] = field(default_factory=list)
+    waiters: list[asyncio.Future[ReasonCode | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class FixResult:
     """Per-item outcome of a batch of fixes: ``None`` = accepted, else a reason code."""
 
@@ -78,6 +88,9 @@ class FixIntake:
         self._submissions: deque[tuple[asyncio.Future[Any], asyncio.Future[None]]] = deque()
         """Submissions not yet decided or with an earlier one not yet decided, in the order received,
         each with its marker."""
+        self._open_batch: _OpenBatch | None = None
+        """The single fixes received in this event-loop turn (:meth:`decide_fix`), until it is decided."""
+        self._batch_tasks: set[asyncio.Task[None]] = set()
 
     def begin_shutdown(self) -> None:
         self.closing = True
@@ -93,8 +106,11 @@ class FixIntake:
             self._last_t[user] = t
         return len(latest)
 
-    async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
+    async def submit_fixes(
+        self, transport: str, items: list[tuple[str, Any]], *, source: str = "update", urgent: bool = False
+    ) -> FixResult:
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``;
+        ``urgent``: the senders wait for the outcome (the commit does not linger for more writes).
 
         The checks, in contract §1 order, per fix: shutdown, types and ranges, clock skew, age,
         order (newer than the user's last accepted fix, this call's earlier fixes included), rate."""
@@ -144,7 +160,7 @@ class FixIntake:
             rows = []
         if rows:
             try:
-                await self.movement.append(rows, reserved=True)
+                await self.movement.append(rows, reserved=True, urgent=urgent)
             except Exception:
                 log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(rows))
                 self._refuse(codes, where, previous)
@@ -214,12 +230,54 @@ class FixIntake:
             decided.set_result(None)
             self._decided(decided)
 
+    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+        """:meth:`decide_fixes` of one fix (one HTTP request): ``None`` = accepted (committed and
+        applied), else the reason code. The single fixes received in one event-loop turn are one
+        submission, decided in the order received, with one check pass, one hand-over to the
+        movement store and one wake-up per turn instead of one per fix; a query of their users
+        received later waits for them, as with :meth:`decide_fixes`. Another submission received
+        meanwhile closes the turn's batch, so fixes are still decided in the order received."""
+        loop = asyncio.get_running_loop()
+        batch = self._open_batch
+        if batch is None or batch.transport != transport or len(batch.items) >= FIX_CHUNK:
+            batch = _OpenBatch(transport, loop.create_future())
+            self._received([(user, fix)], batch.decided)  # closes any open batch
+            self._open_batch = batch
+            task = loop.create_task(self._decide_batch(batch))  # runs after what was received before it
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+        else:
+            self._fixes_in_flight[user] = self._submissions[-1][1]  # the open batch's marker
+        waiter: asyncio.Future[ReasonCode | None] = loop.create_future()
+        batch.items.append((user, fix))
+        batch.waiters.append(waiter)
+        return await waiter
+
+    async def _decide_batch(self, batch: _OpenBatch) -> None:
+        if self._open_batch is batch:
+            self._open_batch = None
+        try:
+            result = await self.submit_fixes(batch.transport, batch.items, urgent=True)
+        except BaseException as exc:  # a bug or cancellation: every request of the batch fails alike
+            for waiter in batch.waiters:
+                if not waiter.done():
+                    waiter.set_exception(exc if isinstance(exc, Exception) else RuntimeError("fix batch cancelled"))
+            raise
+        else:
+            for waiter, code in zip(batch.waiters, result.codes, strict=True):
+                if not waiter.done():  # a request whose caller went away
+                    waiter.set_result(code)
+        finally:
+            batch.decided.set_result(None)
+            self._decided()
+
     def _received(self, items: list[tuple[str, Any]], pending: asyncio.Future[Any]) -> None:
         """Hold queries of the users of ``items`` until ``pending`` and every submission received
         before it are done (:meth:`own_fixes_decided`); :meth:`_decided` is called once it is done.
 
         One marker per submission, in order, rather than each user's set of pending submissions:
         the bookkeeping is one dictionary update per submission, not Python work per fix."""
+        self._open_batch = None  # later single fixes are decided after this submission
         marker: asyncio.Future[None] = pending.get_loop().create_future()
         self._fixes_in_flight.update(zip(map(itemgetter(0), items), repeat(marker)))
         self._submissions.append((pending, marker))

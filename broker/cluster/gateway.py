@@ -503,6 +503,10 @@ class ClusterPipeline:
         """:meth:`enqueue_fixes`, waiting for the outcome (the HTTP single-fix route)."""
         return await self.enqueue_fixes(transport, items)
 
+    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+        """:meth:`decide_fixes` of one fix: its code (``None`` = accepted)."""
+        return (await self.decide_fixes(transport, [(user, fix)])).codes[0]
+
     def _messages(self, items: list[tuple[str, Any]], batch: bool) -> list[tuple[str, str, Any, list[int]]]:
         """``(user, kind, body, item positions)`` per intake message: a batch becomes one ``updates``
         message per user (partitions are per user), a single fix one ``update``."""
