@@ -84,7 +84,7 @@ class FixIntake:
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
         """Per user, the marker of the latest fix submission that held a fix of the user
-        (:meth:`enqueue_fixes`, :meth:`decide_fixes`): done once it and every earlier one are decided."""
+        (:meth:`enqueue_fixes`, :meth:`decide_fix`): done once it and every earlier one are decided."""
         self._submissions: deque[tuple[asyncio.Future[Any], asyncio.Future[None]]] = deque()
         """Submissions not yet decided or with an earlier one not yet decided, in the order received,
         each with its marker."""
@@ -217,26 +217,14 @@ class FixIntake:
         task.add_done_callback(self._decided)
         return task
 
-    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """:meth:`submit_fixes` for a caller that waits for the outcome at once (one HTTP fix): the
-        fixes count as received, and a query of their users received later waits for them, exactly
-        as with :meth:`enqueue_fixes`, without a task of their own (the checks run before this
-        first yields, so fixes are still decided in the order received)."""
-        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._received(items, decided)
-        try:
-            return await self.submit_fixes(transport, items, source=source)
-        finally:
-            decided.set_result(None)
-            self._decided(decided)
-
     async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
-        """:meth:`decide_fixes` of one fix (one HTTP request): ``None`` = accepted (committed and
-        applied), else the reason code. The single fixes received in one event-loop turn are one
-        submission, decided in the order received, with one check pass, one hand-over to the
-        movement store and one wake-up per turn instead of one per fix; a query of their users
-        received later waits for them, as with :meth:`decide_fixes`. Another submission received
-        meanwhile closes the turn's batch, so fixes are still decided in the order received."""
+        """Submit one fix as received (one HTTP request) and wait for its outcome: ``None`` =
+        accepted (committed and applied), else the reason code. The fix counts as received at once,
+        and a query of its user received later waits for it, as with :meth:`enqueue_fixes`. The
+        single fixes received in one event-loop turn are one submission, without a task each: one
+        check pass in the order received, one hand-over to the movement store, committed without
+        its linger, and one wake-up per commit. Another submission received meanwhile closes the
+        turn's batch, so fixes are still decided in the order received."""
         loop = asyncio.get_running_loop()
         batch = self._open_batch
         if batch is None or batch.transport != transport or len(batch.items) >= FIX_CHUNK:
@@ -258,10 +246,10 @@ class FixIntake:
             self._open_batch = None
         try:
             result = await self.submit_fixes(batch.transport, batch.items, urgent=True)
-        except BaseException as exc:  # a bug or cancellation: every request of the batch fails alike
-            for waiter in batch.waiters:
-                if not waiter.done():
-                    waiter.set_exception(exc if isinstance(exc, Exception) else RuntimeError("fix batch cancelled"))
+        except Exception as exc:  # a bug: every request of the batch fails alike (answered 500)
+            _fail(batch.waiters, exc)
+        except BaseException:  # cancelled (the loop is ending)
+            _fail(batch.waiters, RuntimeError("fix batch cancelled"))
             raise
         else:
             for waiter, code in zip(batch.waiters, result.codes, strict=True):
@@ -298,6 +286,12 @@ class FixIntake:
         marker = self._fixes_in_flight.get(user)
         if marker is not None and not marker.done():
             await asyncio.wait((marker,))  # not the marker itself: a cancelled query must not cancel it
+
+
+def _fail(waiters: list[asyncio.Future[ReasonCode | None]], exc: Exception) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_exception(exc)
 
 
 __all__ = ["FIX_CHUNK", "FixIntake", "FixResult"]
