@@ -340,8 +340,7 @@ async def _post_location(request: web.BaseRequest, user: str, pipeline: Pipeline
         except InvalidInput as exc:
             pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
             raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
-    res = await pipeline.decide_fixes("http", [(user, fix)])
-    code = res.codes[0]
+    code = await pipeline.decide_fix("http", user, fix)
     if code is None:
         return web.Response(body=ACCEPTED_ONE, content_type="application/json")
     if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
@@ -800,15 +799,13 @@ class _ConnectionHandler(web.RequestHandler):
         resp.force_close()
         return resp
 
-    async def finish_response(
-        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
-    ) -> tuple[web.StreamResponse, bool]:
-        result = await super().finish_response(request, resp, start_time)
+    def log_access(self, request: web.BaseRequest, response: web.StreamResponse, time: float | None) -> None:
+        # Called once the answer is written (or failed to be), without a coroutine layer of its own.
+        super().log_access(request, response, time)
         if request.get(ABANDON):
             # aiohttp would linger up to 10 s reading the rest of the body, which a stalled
             # client never sends: close now that the answer is written.
             self.force_close()
-        return result
 
 
 class HttpServer:

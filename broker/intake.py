@@ -46,6 +46,16 @@ class _UserState:
 
 
 @dataclass(slots=True)
+class _OpenBatch:
+    """Single fixes of one event-loop turn (:meth:`FixIntake.decide_fix`), decided as one submission."""
+
+    transport: str
+    decided: asyncio.Future[None]
+    items: list[tuple[str, Any]] = field(default_factory=list)
+    waiters: list[asyncio.Future[ReasonCode | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class FixResult:
     """Per-item outcome of a batch of fixes: ``None`` = accepted, else a reason code."""
 
@@ -89,10 +99,13 @@ class FixIntake:
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
         """Per user, the marker of the latest fix submission that held a fix of the user
-        (:meth:`enqueue_fixes`, :meth:`decide_fixes`): done once it and every earlier one are decided."""
+        (:meth:`enqueue_fixes`, :meth:`decide_fix`): done once it and every earlier one are decided."""
         self._submissions: deque[tuple[asyncio.Future[Any], asyncio.Future[None]]] = deque()
         """Submissions not yet decided or with an earlier one not yet decided, in the order received,
         each with its marker."""
+        self._open_batch: _OpenBatch | None = None
+        """The single fixes received in this event-loop turn (:meth:`decide_fix`), until it is decided."""
+        self._batch_tasks: set[asyncio.Task[None]] = set()
 
     def begin_shutdown(self) -> None:
         self.closing = True
@@ -114,8 +127,11 @@ class FixIntake:
             state = self._users[user] = _UserState(self._burst, self._bucket_clock())
         return state
 
-    async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
+    async def submit_fixes(
+        self, transport: str, items: list[tuple[str, Any]], *, source: str = "update", urgent: bool = False
+    ) -> FixResult:
+        """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``;
+        ``urgent``: the senders wait for the outcome (the commit does not linger for more writes).
 
         The checks, in contract §1 order, per fix: shutdown, types and ranges, clock skew, age,
         order (newer than the user's last accepted fix, this call's earlier fixes included), rate."""
@@ -175,7 +191,7 @@ class FixIntake:
             rows = []
         if rows:
             try:
-                await self.movement.append(rows, reserved=True)
+                await self.movement.append(rows, reserved=True, urgent=urgent)
             except Exception:
                 log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(rows))
                 self._refuse(codes, where, previous)
@@ -230,18 +246,47 @@ class FixIntake:
         task.add_done_callback(self._decided)
         return task
 
-    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
-        """:meth:`submit_fixes` for a caller that waits for the outcome at once (one HTTP fix): the
-        fixes count as received, and a query of their users received later waits for them, exactly
-        as with :meth:`enqueue_fixes`, without a task of their own (the checks run before this
-        first yields, so fixes are still decided in the order received)."""
-        decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._received(items, decided)
+    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+        """Submit one fix as received (one HTTP request) and wait for its outcome: ``None`` =
+        accepted (committed and applied), else the reason code. The fix counts as received at once,
+        and a query of its user received later waits for it, as with :meth:`enqueue_fixes`. The
+        single fixes received in one event-loop turn are one submission, without a task each: one
+        check pass in the order received, one hand-over to the movement store, committed without
+        its linger, and one wake-up per commit. Another submission received meanwhile closes the
+        turn's batch, so fixes are still decided in the order received."""
+        loop = asyncio.get_running_loop()
+        batch = self._open_batch
+        if batch is None or batch.transport != transport or len(batch.items) >= FIX_CHUNK:
+            batch = _OpenBatch(transport, loop.create_future())
+            self._received([(user, fix)], batch.decided)  # closes any open batch
+            self._open_batch = batch
+            task = loop.create_task(self._decide_batch(batch))  # runs after what was received before it
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+        else:
+            self._fixes_in_flight[user] = self._submissions[-1][1]  # the open batch's marker
+        waiter: asyncio.Future[ReasonCode | None] = loop.create_future()
+        batch.items.append((user, fix))
+        batch.waiters.append(waiter)
+        return await waiter
+
+    async def _decide_batch(self, batch: _OpenBatch) -> None:
+        if self._open_batch is batch:
+            self._open_batch = None
         try:
-            return await self.submit_fixes(transport, items, source=source)
+            result = await self.submit_fixes(batch.transport, batch.items, urgent=True)
+        except Exception as exc:  # a bug: every request of the batch fails alike (answered 500)
+            _fail(batch.waiters, exc)
+        except BaseException:  # cancelled (the loop is ending)
+            _fail(batch.waiters, RuntimeError("fix batch cancelled"))
+            raise
+        else:
+            for waiter, code in zip(batch.waiters, result.codes, strict=True):
+                if not waiter.done():  # a request whose caller went away
+                    waiter.set_result(code)
         finally:
-            decided.set_result(None)
-            self._decided(decided)
+            batch.decided.set_result(None)
+            self._decided()
 
     def _received(self, items: list[tuple[str, Any]], pending: asyncio.Future[Any]) -> None:
         """Hold queries of the users of ``items`` until ``pending`` and every submission received
@@ -249,6 +294,7 @@ class FixIntake:
 
         One marker per submission, in order, rather than each user's set of pending submissions:
         the bookkeeping is one dictionary update per submission, not Python work per fix."""
+        self._open_batch = None  # later single fixes are decided after this submission
         marker: asyncio.Future[None] = pending.get_loop().create_future()
         self._fixes_in_flight.update(zip(map(itemgetter(0), items), repeat(marker)))
         self._submissions.append((pending, marker))
@@ -269,6 +315,12 @@ class FixIntake:
         marker = self._fixes_in_flight.get(user)
         if marker is not None and not marker.done():
             await asyncio.wait((marker,))  # not the marker itself: a cancelled query must not cancel it
+
+
+def _fail(waiters: list[asyncio.Future[ReasonCode | None]], exc: Exception) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_exception(exc)
 
 
 __all__ = ["FIX_CHUNK", "FixIntake", "FixResult"]

@@ -236,9 +236,9 @@ class Pipeline:
         """Submit fixes as they are received, without waiting (see :meth:`FixIntake.enqueue_fixes`)."""
         return self.intake.enqueue_fixes(transport, items, batch=batch, source=source)
 
-    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
-        """Submit fixes as received and wait for their outcome (see :meth:`FixIntake.decide_fixes`)."""
-        return await self.intake.decide_fixes(transport, items)
+    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+        """One fix as received, its outcome once decided (see :meth:`FixIntake.decide_fix`)."""
+        return await self.intake.decide_fix(transport, user, fix)
 
     # -- profiles ------------------------------------------------------------------------------
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:

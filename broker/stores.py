@@ -224,7 +224,7 @@ MAX_BATCHES_PER_COMMIT = 4096
 
 
 class _Batch:
-    __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql")
+    __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql", "urgent")
 
     def __init__(
         self,
@@ -238,6 +238,7 @@ class _Batch:
         self.sql = sql  # a single statement run instead of the insert (retention, window ledger)
         self.params = params
         self.rowcount = 0
+        self.urgent = False  # a caller is waiting to answer: commit without lingering
         self.future: asyncio.Future[None] = loop.create_future()
 
 
@@ -247,7 +248,8 @@ class GroupCommitWriter:
     ``await writer.write(rows)`` returns once the rows are committed. The queue is bounded
     (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
     waiting. Timing of each commit is reported to ``on_commit(seconds)``. After the first queued
-    write the thread lingers ``linger_s`` (2 ms) for more before it commits.
+    write the thread lingers ``linger_s`` (2 ms) for more before it commits, unless a write queued
+    with ``urgent`` is waiting (writes queued meanwhile still share that commit).
     """
 
     def __init__(
@@ -275,6 +277,8 @@ class GroupCommitWriter:
         self._pending_lock = threading.Lock()
         self._idle = False
         """The writer thread waits on ``_wake`` for the next write (under ``_pending_lock``)."""
+        self._urgent = False
+        """An ``urgent`` write is pending: commit without lingering (under ``_pending_lock``)."""
         self._wake = threading.Event()
         self._stopping = False
         self._turn: dict[asyncio.AbstractEventLoop, list[_Batch]] = {}
@@ -299,14 +303,16 @@ class GroupCommitWriter:
             self._pending_rows += n
             return True
 
-    async def write(self, rows: Sequence[tuple[Any, ...]], *, reserved: bool = False) -> None:
-        """Insert ``rows`` durably (raises :class:`StoreError` if the transaction failed)."""
+    async def write(self, rows: Sequence[tuple[Any, ...]], *, reserved: bool = False, urgent: bool = False) -> None:
+        """Insert ``rows`` durably (raises :class:`StoreError` if the transaction failed); ``urgent``:
+        a client waits for the answer, so the commit does not linger for more writes."""
         if not rows:
             return
         if not reserved:
             with self._count_lock:
                 self._pending_rows += len(rows)
         batch = _Batch(rows, asyncio.get_running_loop())
+        batch.urgent = urgent
         self._enqueue(batch)
         await batch.future
 
@@ -330,6 +336,8 @@ class GroupCommitWriter:
         with self._pending_lock:
             self._pending += turn
             wake, self._idle = self._idle, False
+            if any(b.urgent for b in turn):
+                self._urgent = True
         if wake:
             self._wake.set()
 
@@ -360,8 +368,8 @@ class GroupCommitWriter:
             # Linger briefly for more writers: one transaction (and one wake-up of the event loop)
             # then serves many small writes, at the cost of up to ``linger_s`` of latency.
             with self._pending_lock:
-                stopping = self._stopping
-            if not stopping and self._linger_s > 0:
+                stopping, urgent, self._urgent = self._stopping, self._urgent, False
+            if not stopping and not urgent and self._linger_s > 0:
                 time.sleep(self._linger_s)
             with self._pending_lock:
                 batches = self._pending[:MAX_BATCHES_PER_COMMIT]
@@ -537,9 +545,11 @@ class MovementStore:
         with self._read_lock:
             self._read.close()
 
-    async def append(self, fixes: Iterable[tuple[str, float, float, float]], *, reserved: bool = False) -> None:
-        """Durably record ``(user_id, t, lat, lon)`` fixes."""
-        await self.writer.write(list(fixes), reserved=reserved)
+    async def append(
+        self, fixes: Iterable[tuple[str, float, float, float]], *, reserved: bool = False, urgent: bool = False
+    ) -> None:
+        """Durably record ``(user_id, t, lat, lon)`` fixes (``urgent``: see :meth:`GroupCommitWriter.write`)."""
+        await self.writer.write(list(fixes), reserved=reserved, urgent=urgent)
 
     def fixes_between(self, t0: float, t1: float) -> list[tuple[str, float, float, float]]:
         """Fixes with ``t0 ≤ t < t1``, ordered by user then time."""

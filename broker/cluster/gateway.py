@@ -499,9 +499,10 @@ class ClusterPipeline:
             return self._track(self._mqtt_fixes(items, batch))
         return self._track(self._http_fixes(items, batch))
 
-    async def decide_fixes(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
-        """:meth:`enqueue_fixes`, waiting for the outcome (the HTTP single-fix route)."""
-        return await self.enqueue_fixes(transport, items)
+    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+        """:meth:`enqueue_fixes` of one fix, waiting for its code (``None`` = accepted; the HTTP
+        single-fix route)."""
+        return (await self.enqueue_fixes(transport, [(user, fix)])).codes[0]
 
     def _messages(self, items: list[tuple[str, Any]], batch: bool) -> list[tuple[str, str, Any, list[int]]]:
         """``(user, kind, body, item positions)`` per intake message: a batch becomes one ``updates``
