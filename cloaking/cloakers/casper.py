@@ -46,6 +46,8 @@ from kcloak.cloaking.cloakers.interval import (
     deepest_levels,
     fit_profile,
     grid_coord,
+    group_ids,
+    group_runs,
     levels_of,
     publish_rects,
     range_counts,
@@ -208,63 +210,68 @@ def casper_arrays(
         rx, ry = gx[need] >> s0, gy[need] >> s0
         ok[need] = cell_areas_m2(np.full(len(need), root_level, np.int64), rx, ry, rx, ry) >= a_min[need]
     h = deepest_levels(qt, p, codes, gx, gy, k, a_min, np.full(m, root_level, np.int64), bottom)
-    level = h.copy()
-    s = GRID_BITS - h
-    cx0 = gx >> s
-    cy0 = gy >> s
-    cx1 = cx0.copy()
-    cy1 = cy0.copy()
-    kind = np.full(m, KIND_CELL, np.int64)
-    in_cells = np.empty(m, np.int64)
-    cand = np.flatnonzero(ok & (h < bottom))
-    rest = np.flatnonzero(~ok | (h >= bottom))
-    if len(rest):
+    kind = np.zeros(m, np.int64)
+    cand = ok & (h < bottom)
+    if cand.all():  # the usual case: every request may be answered by a pair one level below h*
+        kind, in_cells = _pair_choice(qt, codes, gx, gy, h, k, a_min, tie_h)
+    else:
+        in_cells = np.empty(m, np.int64)
+        rest = np.flatnonzero(~cand)
         lo, hi = cell_base(codes[rest], h[rest])
         in_cells[rest] = range_counts(qt, lo, hi)
-    if len(cand):
-        c = h[cand] + 1
-        sc = GRID_BITS - c
-        sh = (2 * sc).astype(np.uint64)
-        size = np.uint64(1) << sh
-        # The four children of the parent (level h*) are consecutive Morton ranges: 5 boundaries.
-        parent = (codes[cand] >> (sh + np.uint64(2))) << (sh + np.uint64(2))
-        order = np.argsort(parent)
-        bounds = np.empty((5, len(cand)), np.int64)
-        for j in range(5):
-            bounds[j, order] = np.searchsorted(qt.codes_array, (parent + np.uint64(j) * size)[order])
-        in_cells[cand] = bounds[4] - bounds[0]  # the own cell at h* is the parent
-        children = np.diff(bounds, axis=0)  # (4, m) counts, child index q = (y bit << 1) | x bit
-        q = ((codes[cand] >> sh) & np.uint64(3)).astype(np.int64)
-        cols = np.arange(len(cand))
-        n_c = children[q, cols]
-        n_hp = n_c + children[q ^ 1, cols]
-        n_vp = n_c + children[q ^ 2, cols]
-        cx = gx[cand] >> sc
-        cy = gy[cand] >> sc
-        kc = k[cand]
-        sat_h = n_hp >= kc
-        sat_v = n_vp >= kc
-        need = np.flatnonzero(a_min[cand] > 0)
-        if len(need):
-            ac = a_min[cand][need]
-            x, y, cn = cx[need], cy[need], c[need]
-            sat_h[need] &= cell_areas_m2(cn, x & ~1, y, x | 1, y) >= ac
-            sat_v[need] &= cell_areas_m2(cn, x, y & ~1, x, y | 1) >= ac
-        closer = (n_hp < n_vp) | ((n_hp == n_vp) & tie_h)
-        pick_h = sat_h & (~sat_v | closer)
-        pick_v = sat_v & ~pick_h
-        for pick, kd, n_pair in ((pick_h, KIND_HPAIR, n_hp), (pick_v, KIND_VPAIR, n_vp)):
-            idx = cand[pick]
-            px = cx[pick]
-            py = cy[pick]
-            level[idx] = c[pick]
-            kind[idx] = kd
-            in_cells[idx] = n_pair[pick]
-            if kd == KIND_HPAIR:
-                cx0[idx], cx1[idx], cy0[idx], cy1[idx] = px & ~1, px | 1, py, py
-            else:
-                cx0[idx], cx1[idx], cy0[idx], cy1[idx] = px, px, py & ~1, py | 1
-    return CasperArrays(ok, level, cx0, cy0, cx1, cy1, kind, in_cells)
+        c = np.flatnonzero(cand)
+        if len(c):
+            kind[c], in_cells[c] = _pair_choice(qt, codes[c], gx[c], gy[c], h[c], k[c], a_min[c], tie_h)
+    level = h + (kind != KIND_CELL)
+    s = GRID_BITS - level
+    x = gx >> s
+    y = gy >> s
+    xb = kind & 1  # a horizontal pair spans x & ~1 … x | 1, a vertical one y & ~1 … y | 1
+    yb = kind >> 1
+    return CasperArrays(ok, level, x & ~xb, y & ~yb, x | xb, y | yb, kind, in_cells)
+
+
+def _pair_choice(
+    qt: QuadtreeCounts, codes: U64, gx: I64, gy: I64, h: I64, k: I64, a_min: F64, tie_h: bool
+) -> tuple[I64, I64]:
+    """Per request below the root and above the bottom: the kind of Casper's answer (the own cell at
+    ``h`` = h*, or a sibling pair at h* + 1) and the grid count of that rectangle."""
+    c = h + 1
+    sc = GRID_BITS - c
+    sh = (2 * sc).astype(np.uint64)
+    # The four children of the parent (the own cell at h*) are consecutive Morton ranges: 5
+    # boundaries, searched once per run of requests with the same parent (they come in code order).
+    parent = (codes >> (sh + np.uint64(2))) << (sh + np.uint64(2))
+    first, run = group_runs((parent | (np.uint64(1) << sh)).view(np.int64))
+    u = len(first)
+    step = np.uint64(1) << sh[first]
+    needles = np.empty((5, u), np.uint64)
+    needles[0] = parent[first]
+    for j in range(1, 5):
+        needles[j] = needles[j - 1] + step
+    bounds = np.searchsorted(qt.codes_array, needles.ravel())  # row j of the (5, u) bounds, flattened
+    q = ((codes >> sh) & np.uint64(3)).astype(np.int64)  # child index (y bit << 1) | x bit
+    at = q * u + run
+    n_c = bounds[at + u] - bounds[at]
+    r = (q & 2) * u + run  # the row's two children are adjacent in Morton order
+    n_hp = bounds[r + 2 * u] - bounds[r]
+    v = (q ^ 2) * u + run
+    n_vp = n_c + bounds[v + u] - bounds[v]
+    n_parent = bounds[run + 4 * u] - bounds[run]
+    sat_h = n_hp >= k
+    sat_v = n_vp >= k
+    need = np.flatnonzero(a_min > 0)
+    if len(need):
+        x, y, cn, ac = gx[need] >> sc[need], gy[need] >> sc[need], c[need], a_min[need]
+        sat_h[need] &= cell_areas_m2(cn, x & ~1, y, x | 1, y) >= ac
+        sat_v[need] &= cell_areas_m2(cn, x, y & ~1, x, y | 1) >= ac
+    # Prefer the pair closer to k; on a tie the configured direction (⚠ §4.3: horizontal).
+    closer = n_hp <= n_vp if tie_h else n_hp < n_vp
+    pick_h = sat_h & (~sat_v | closer)
+    pick_v = sat_v & ~pick_h
+    kind = pick_h * KIND_HPAIR + pick_v * KIND_VPAIR
+    in_cells = np.where(pick_h, n_hp, np.where(pick_v, n_vp, n_parent))
+    return kind.astype(np.int64), in_cells
 
 
 # -- adaptive: the per-view leaf levels ---------------------------------------------------------
@@ -419,20 +426,23 @@ class CasperCloak(QuadtreeCarrier):
         failed = live[~arr.ok]
         out.status[failed] = np.where(profiles.k[failed] > qt.n, ST_K, ST_AREA)
         sel = np.flatnonzero(arr.ok)
+        group = group_ids(arr.level[sel], codes[sel], arr.kind[sel])
+        first, run = group_runs(group)
+        f = sel[first]
         small = publish_rects(
             view,
             qt,
             out,
             live[sel],
-            arr.level[sel],
-            arr.cx0[sel],
-            arr.cy0[sel],
-            arr.cx1[sel],
-            arr.cy1[sel],
-            arr.in_cells[sel],
-            arr.kind[sel],
+            group,
+            run,
+            arr.level[f],
+            arr.cx0[f],
+            arr.cy0[f],
+            arr.cx1[f],
+            arr.cy1[f],
+            arr.in_cells[f],
             profiles,
-            codes[sel],
         )
         for i in small.tolist():
             out.set(i, self.cloak(view, int(rows[i]), profiles[i]))
