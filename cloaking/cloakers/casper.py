@@ -86,47 +86,55 @@ Tie = Literal["horizontal", "vertical"]
 
 
 def _casper_scalar(
-    qt: QuadtreeCounts, row: int, k: int, a_min: float, root_level: int, bottom: int, tie_h: bool
-) -> tuple[int, int, int, tuple[int, int, int, int]] | None:
-    """Casper's answer for one request, or None when even the root's area is below ``A_min``.
+    qt: QuadtreeCounts,
+    p: int,
+    code: int,
+    gx: int,
+    gy: int,
+    k: int,
+    a_min: float,
+    root_level: int,
+    bottom: int,
+    tie_h: bool,
+) -> tuple[int, int, int, tuple[int, int, int, int]]:
+    """Casper's answer for one request whose code ``code`` sits at index ``p`` of ``qt.codes``.
 
     Returns ``(level, kind, prefix of the lower-left cell, code-index ranges of its users)``: one
     range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
-    checked that the root holds ``k`` users; ``bottom`` is the level the climb starts from.
+    checked that the root holds ``k`` users and has area ≥ ``a_min``; ``bottom`` is the level the
+    climb starts from.
     """
-    pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
-    kx = lon_keys[row]
-    ky = lat_keys[row]
-    gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
-    gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
-    if a_min > 0 and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min:
-        return None
     codes = qt.codes
-    p = pos[row]
-    code = codes[p]
     h = deepest_level(qt, p, code, gx, gy, k, a_min, root_level, bottom)
     if h < bottom:
         level = h + 1
         s = GRID_BITS - level
         sh = 2 * s
-        size = 1 << sh
         # The parent (the own cell at h*) has four children in consecutive Morton ranges, child
         # q = (y bit << 1) | x bit: two bisects bound the parent, three more (inside it) split it.
-        pbase = (code >> (sh + 2)) << (sh + 2)
-        b0 = run_start(codes, pbase, p)
-        b4 = run_end(codes, pbase + 4 * size, p)
-        b1 = bisect_left(codes, pbase + size, b0, b4)
-        b2 = bisect_left(codes, pbase + 2 * size, b1, b4)
-        b3 = bisect_left(codes, pbase + 3 * size, b2, b4)
-        b = (b0, b1, b2, b3, b4)
+        # The five bounds are kept per view, keyed by the parent's locational code.
+        pkey = (code >> (sh + 2)) | (1 << (2 * h))
+        b = qt.parent_bounds.get(pkey)
+        if b is None:
+            size = 1 << sh
+            pbase = (code >> (sh + 2)) << (sh + 2)
+            b0 = run_start(codes, pbase, p)
+            b4 = run_end(codes, pbase + 4 * size, p)
+            b1 = bisect_left(codes, pbase + size, b0, b4)
+            b2 = bisect_left(codes, pbase + 2 * size, b1, b4)
+            b3 = bisect_left(codes, pbase + 3 * size, b2, b4)
+            b = qt.parent_bounds[pkey] = (b0, b1, b2, b3, b4)
         q = (code >> sh) & 3
         n_c = b[q + 1] - b[q]
         n_hp = n_c + b[(q ^ 1) + 1] - b[q ^ 1]  # horizontal neighbour: the other x bit
         n_vp = n_c + b[(q ^ 2) + 1] - b[q ^ 2]  # vertical neighbour: the other y bit
-        cx = gx >> s
-        cy = gy >> s
-        sat_h = n_hp >= k and (a_min <= 0 or cell_area_m2(level, cx & ~1, cy, cx | 1, cy) >= a_min)
-        sat_v = n_vp >= k and (a_min <= 0 or cell_area_m2(level, cx, cy & ~1, cx, cy | 1) >= a_min)
+        sat_h = n_hp >= k
+        sat_v = n_vp >= k
+        if a_min > 0:
+            cx = gx >> s
+            cy = gy >> s
+            sat_h = sat_h and cell_area_m2(level, cx & ~1, cy, cx | 1, cy) >= a_min
+            sat_v = sat_v and cell_area_m2(level, cx, cy & ~1, cx, cy | 1) >= a_min
         # Prefer the pair closer to k; on a tie the configured direction (⚠ §4.3: horizontal).
         if sat_h and (not sat_v or n_hp < n_vp or (n_hp == n_vp and tie_h)):
             r = q & 2  # the row's two children are adjacent in Morton order
@@ -134,7 +142,7 @@ def _casper_scalar(
         if sat_v:
             c = q & 1  # the column's two children are not
             return level, KIND_VPAIR, (code >> sh) & ~2, (b[c], b[c + 1], b[c + 2], b[c + 3])
-        return h, KIND_CELL, code >> (sh + 2), (b0, b4, 0, 0)  # the own cell at h* is the parent
+        return h, KIND_CELL, code >> (sh + 2), (b[0], b[4], 0, 0)  # the own cell at h* is the parent
     sh = 2 * (GRID_BITS - h)
     base = (code >> sh) << sh
     return h, KIND_CELL, code >> sh, (run_start(codes, base, p), run_end(codes, base + (1 << sh), p), 0, 0)
@@ -384,28 +392,42 @@ class CasperCloak(QuadtreeCarrier):
             return UNSUPPORTED_L
         qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or self.counts(view)
         k = profile.k
-        root = self.root
-        if self._root_level:
-            s0 = GRID_BITS - root[0]
-            gx, gy = qt.grid(row)
+        a_min = profile.min_area_m2
+        pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
+        kx = lon_keys[row]
+        ky = lat_keys[row]
+        gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
+        gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
+        root_level = self._root_level
+        if root_level:
+            root = self.root
+            s0 = GRID_BITS - root_level
             if gx >> s0 != root[1] or gy >> s0 != root[2]:
                 return shortfall(qt.n, k) if qt.n < k else OUTSIDE_ROOT
-        if qt.root_count(root) < k:
+            if qt.root_count(root) < k:
+                return shortfall(qt.n, k)
+        elif qt.n < k:  # the whole grid holds everyone
             return shortfall(qt.n, k)
+        if (
+            a_min > 0
+            and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min
+        ):
+            return shortfall(qt.n, k)  # even the root is too small
         bottom = self._deepest
-        if self.variant == "adaptive" and k >= view.k[row] and profile.min_area_m2 >= view.min_area_m2[row]:
-            bottom = int(leaf_levels(view, root, self._deepest, self._tie_h)[row])
-        found = _casper_scalar(qt, row, k, profile.min_area_m2, self._root_level, bottom, self._tie_h)
-        if found is None:
-            return shortfall(qt.n, k)
-        level, kind, prefix, ranges = found
+        if self.variant == "adaptive" and k >= view.k[row] and a_min >= view.min_area_m2[row]:
+            bottom = int(leaf_levels(view, self.root, bottom, self._tie_h)[row])
+        p = pos[row]
+        level, kind, prefix, ranges = _casper_scalar(
+            qt, p, qt.codes[p], gx, gy, k, a_min, root_level, bottom, self._tie_h
+        )
         key = (((1 << (2 * level)) | prefix) << 2) | kind  # group_id of the rectangle
         memo = qt.regions[self.name]
         region = memo.get(key)
         if region is None:
-            gx, gy = qt.grid(row)
             region = memo[key] = _rect_region_of(view, qt, self.name, level, kind, gx, gy, ranges)
-        return fit_profile(view, region, profile)
+        if region.area_m2 < a_min or region.area_m2 > profile.max_area_m2 or region.k_achieved < k:
+            return fit_profile(view, region, profile)
+        return region
 
     def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
         """Vectorized :meth:`cloak`: level search and pair counts for all requests at once."""

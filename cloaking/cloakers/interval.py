@@ -231,6 +231,7 @@ class QuadtreeCounts:
         "lon_strip",
         "lon_strip_array",
         "n",
+        "parent_bounds",
         "regions",
         "root_counts",
         "rows",
@@ -254,6 +255,9 @@ class QuadtreeCounts:
         self.view_of: npt.NDArray[np.int32] | None = None if link is None else link[1]
         self._order: I64 | None = None
         self.root_counts: dict[Root, int] = {WORLD_ROOT: self.n}
+        self.parent_bounds: dict[int, tuple[int, int, int, int, int]] = {}
+        """Casper's memo of the code-index bounds of a cell's four children, keyed by the cell's
+        locational code (see :func:`kcloak.cloaking.cloakers.casper._casper_scalar`)."""
         self.regions: defaultdict[str, dict[int, Region]] = defaultdict(dict)
         """Memo of the regions already published, per algorithm, keyed by :func:`group_id` (they
         depend on the view and the rectangle only; the profile is applied by :func:`fit_profile`)."""
