@@ -496,8 +496,10 @@ class QuadtreeCounts:
             own = 2 * e0[i] - 1
             if al is not None and aligned:  # the usual case: few aligned edges have a user strictly below
                 keys = al.lon_key_array if lon else al.lat_key_array
-                at = np.minimum(np.searchsorted(keys, own), len(keys) - 1)
-                hit = np.flatnonzero(keys[at] == own) if len(keys) else at[:0]
+                hit = np.flatnonzero((al.lon_key_bytes if lon else al.lat_key_bytes)[_key_slot(own)])
+                if len(hit):
+                    at = np.minimum(np.searchsorted(keys, own[hit]), len(keys) - 1)
+                    hit = hit[keys[at] == own[hit]]
             else:
                 hit = np.flatnonzero(_maybe_many(hint, self.hint_bits, e0[i] - 1, a0[i] - 1, a1[i] - 1))
             if not len(hit):
@@ -529,10 +531,12 @@ class AlignedStrips:
 
     __slots__ = (
         "lat_key_array",
+        "lat_key_bytes",
         "lat_keys",
         "lat_strip",
         "lat_strip_array",
         "lon_key_array",
+        "lon_key_bytes",
         "lon_keys",
         "lon_strip",
         "lon_strip_array",
@@ -545,6 +549,8 @@ class AlignedStrips:
         self.lat_strip = _ints(lat_strip_array)
         self.lon_key_array: I64 = np.unique(lon_strip_array >> 31)  # the own-axis key of a strip key
         self.lat_key_array: I64 = np.unique(lat_strip_array >> 31)
+        self.lon_key_bytes = _key_bytes(self.lon_key_array)
+        self.lat_key_bytes = _key_bytes(self.lat_key_array)
         self.lon_keys = frozenset(self.lon_key_array.tolist())
         self.lat_keys = frozenset(self.lat_key_array.tolist())
 
@@ -557,6 +563,22 @@ class AlignedStrips:
             _frozen(np.sort(lon_key[lon] * _STRIP + (lat_key[lon] + _STRIP_OFFSET))),
             _frozen(np.sort(lat_key[lat] * _STRIP + (lon_key[lat] + _STRIP_OFFSET))),
         )
+
+
+_KEY_SLOTS = 1 << 16
+
+
+def _key_slot(key: I64) -> I64:
+    """Hashed slot of an aligned strip key ``2·e − 1`` (``e + 2^28`` a multiple of 2^ALIGN_BITS)."""
+    slot: I64 = (((key + (1 + 2 * GRID_OFFSET)) >> (ALIGN_BITS + 1)) & (_KEY_SLOTS - 1)).astype(np.intp)
+    return slot
+
+
+def _key_bytes(keys: I64) -> npt.NDArray[np.bool_]:
+    """One flag per hashed slot, set where some key falls (a clear flag proves a key absent)."""
+    out = np.zeros(_KEY_SLOTS, bool)
+    out[_key_slot(keys)] = True
+    return out
 
 
 def _aligned_odd(key: I64) -> npt.NDArray[np.bool_]:
@@ -737,6 +759,9 @@ def fit_profile(view: IndexView, region: Region, profile: PrivacyProfile) -> Clo
     return region
 
 
+_LOWER_EDGES = np.array([1, 1, 0, 0], np.int64)
+
+
 def group_ids(level: I64, codes: U64, kind: I64 | int) -> I64:
     """Vectorized :func:`group_id` of the rectangles at ``level`` holding the queriers' ``codes``
     (a pair is named by its lower-left cell: the x bit (kind 1) or the y bit (kind 2) cleared)."""
@@ -795,21 +820,19 @@ def publish_rects(
     rect[:, 1] = (cy0 << s) - GRID_OFFSET
     rect[:, 2] = ((cx1 + 1) << s) - GRID_OFFSET
     rect[:, 3] = ((cy1 + 1) << s) - GRID_OFFSET
-    bboxes = np.empty_like(rect)
-    bboxes[:, 0] = np.maximum(rect[:, 0] - 1, -WORLD_LON_UDEG)
-    bboxes[:, 1] = np.maximum(rect[:, 1] - 1, -WORLD_LAT_UDEG)
-    bboxes[:, 2] = np.minimum(np.maximum(rect[:, 2], -WORLD_LON_UDEG + 1), WORLD_LON_UDEG)
-    bboxes[:, 3] = np.minimum(np.maximum(rect[:, 3], -WORLD_LAT_UDEG + 1), WORLD_LAT_UDEG)
-    area_g = bbox_area_m2_array(
-        bboxes[:, 0] / UDEG_PER_DEG,
-        bboxes[:, 1] / UDEG_PER_DEG,
-        bboxes[:, 2] / UDEG_PER_DEG,
-        bboxes[:, 3] / UDEG_PER_DEG,
-    )
-    k_ach_g = in_cells + qt.edge_extras(rect)
+    bboxes = rect - _LOWER_EDGES  # lower edges one micro-degree below the cells' (§2.2)
     edge = (rect[:, 0] - 1 <= -WORLD_LON_UDEG) | (rect[:, 1] - 1 <= -WORLD_LAT_UDEG)
     edge |= (rect[:, 2] >= WORLD_LON_UDEG) | (rect[:, 3] >= WORLD_LAT_UDEG)
     ci = np.flatnonzero(edge)
+    if len(ci):  # boxes reaching the world edge: clipped to it (only they can be)
+        r = rect[ci]
+        bboxes[ci, 0] = np.maximum(r[:, 0] - 1, -WORLD_LON_UDEG)
+        bboxes[ci, 1] = np.maximum(r[:, 1] - 1, -WORLD_LAT_UDEG)
+        bboxes[ci, 2] = np.minimum(np.maximum(r[:, 2], -WORLD_LON_UDEG + 1), WORLD_LON_UDEG)
+        bboxes[ci, 3] = np.minimum(np.maximum(r[:, 3], -WORLD_LAT_UDEG + 1), WORLD_LAT_UDEG)
+    deg = bboxes / UDEG_PER_DEG
+    area_g = bbox_area_m2_array(deg[:, 0], deg[:, 1], deg[:, 2], deg[:, 3])
+    k_ach_g = in_cells + qt.edge_extras(rect)
     if len(ci):
         k_ach_g[ci] = view.count_in_many(bboxes[ci])
     area = area_g[run]
