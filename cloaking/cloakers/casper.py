@@ -46,6 +46,8 @@ from kcloak.cloaking.cloakers.interval import (
     deepest_levels,
     fit_profile,
     grid_coord,
+    group_ids,
+    group_runs,
     levels_of,
     publish_rects,
     range_counts,
@@ -84,47 +86,55 @@ Tie = Literal["horizontal", "vertical"]
 
 
 def _casper_scalar(
-    qt: QuadtreeCounts, row: int, k: int, a_min: float, root_level: int, bottom: int, tie_h: bool
-) -> tuple[int, int, int, tuple[int, int, int, int]] | None:
-    """Casper's answer for one request, or None when even the root's area is below ``A_min``.
+    qt: QuadtreeCounts,
+    p: int,
+    code: int,
+    gx: int,
+    gy: int,
+    k: int,
+    a_min: float,
+    root_level: int,
+    bottom: int,
+    tie_h: bool,
+) -> tuple[int, int, int, tuple[int, int, int, int]]:
+    """Casper's answer for one request whose code ``code`` sits at index ``p`` of ``qt.codes``.
 
     Returns ``(level, kind, prefix of the lower-left cell, code-index ranges of its users)``: one
     range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
-    checked that the root holds ``k`` users; ``bottom`` is the level the climb starts from.
+    checked that the root holds ``k`` users and has area ≥ ``a_min``; ``bottom`` is the level the
+    climb starts from.
     """
-    pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
-    kx = lon_keys[row]
-    ky = lat_keys[row]
-    gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
-    gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
-    if a_min > 0 and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min:
-        return None
     codes = qt.codes
-    p = pos[row]
-    code = codes[p]
     h = deepest_level(qt, p, code, gx, gy, k, a_min, root_level, bottom)
     if h < bottom:
         level = h + 1
         s = GRID_BITS - level
         sh = 2 * s
-        size = 1 << sh
         # The parent (the own cell at h*) has four children in consecutive Morton ranges, child
         # q = (y bit << 1) | x bit: two bisects bound the parent, three more (inside it) split it.
-        pbase = (code >> (sh + 2)) << (sh + 2)
-        b0 = run_start(codes, pbase, p)
-        b4 = run_end(codes, pbase + 4 * size, p)
-        b1 = bisect_left(codes, pbase + size, b0, b4)
-        b2 = bisect_left(codes, pbase + 2 * size, b1, b4)
-        b3 = bisect_left(codes, pbase + 3 * size, b2, b4)
-        b = (b0, b1, b2, b3, b4)
+        # The five bounds are kept per view, keyed by the parent's locational code.
+        pkey = (code >> (sh + 2)) | (1 << (2 * h))
+        b = qt.parent_bounds.get(pkey)
+        if b is None:
+            size = 1 << sh
+            pbase = (code >> (sh + 2)) << (sh + 2)
+            b0 = run_start(codes, pbase, p)
+            b4 = run_end(codes, pbase + 4 * size, p)
+            b1 = bisect_left(codes, pbase + size, b0, b4)
+            b2 = bisect_left(codes, pbase + 2 * size, b1, b4)
+            b3 = bisect_left(codes, pbase + 3 * size, b2, b4)
+            b = qt.parent_bounds[pkey] = (b0, b1, b2, b3, b4)
         q = (code >> sh) & 3
         n_c = b[q + 1] - b[q]
         n_hp = n_c + b[(q ^ 1) + 1] - b[q ^ 1]  # horizontal neighbour: the other x bit
         n_vp = n_c + b[(q ^ 2) + 1] - b[q ^ 2]  # vertical neighbour: the other y bit
-        cx = gx >> s
-        cy = gy >> s
-        sat_h = n_hp >= k and (a_min <= 0 or cell_area_m2(level, cx & ~1, cy, cx | 1, cy) >= a_min)
-        sat_v = n_vp >= k and (a_min <= 0 or cell_area_m2(level, cx, cy & ~1, cx, cy | 1) >= a_min)
+        sat_h = n_hp >= k
+        sat_v = n_vp >= k
+        if a_min > 0:
+            cx = gx >> s
+            cy = gy >> s
+            sat_h = sat_h and cell_area_m2(level, cx & ~1, cy, cx | 1, cy) >= a_min
+            sat_v = sat_v and cell_area_m2(level, cx, cy & ~1, cx, cy | 1) >= a_min
         # Prefer the pair closer to k; on a tie the configured direction (⚠ §4.3: horizontal).
         if sat_h and (not sat_v or n_hp < n_vp or (n_hp == n_vp and tie_h)):
             r = q & 2  # the row's two children are adjacent in Morton order
@@ -132,7 +142,7 @@ def _casper_scalar(
         if sat_v:
             c = q & 1  # the column's two children are not
             return level, KIND_VPAIR, (code >> sh) & ~2, (b[c], b[c + 1], b[c + 2], b[c + 3])
-        return h, KIND_CELL, code >> (sh + 2), (b0, b4, 0, 0)  # the own cell at h* is the parent
+        return h, KIND_CELL, code >> (sh + 2), (b[0], b[4], 0, 0)  # the own cell at h* is the parent
     sh = 2 * (GRID_BITS - h)
     base = (code >> sh) << sh
     return h, KIND_CELL, code >> sh, (run_start(codes, base, p), run_end(codes, base + (1 << sh), p), 0, 0)
@@ -208,63 +218,68 @@ def casper_arrays(
         rx, ry = gx[need] >> s0, gy[need] >> s0
         ok[need] = cell_areas_m2(np.full(len(need), root_level, np.int64), rx, ry, rx, ry) >= a_min[need]
     h = deepest_levels(qt, p, codes, gx, gy, k, a_min, np.full(m, root_level, np.int64), bottom)
-    level = h.copy()
-    s = GRID_BITS - h
-    cx0 = gx >> s
-    cy0 = gy >> s
-    cx1 = cx0.copy()
-    cy1 = cy0.copy()
-    kind = np.full(m, KIND_CELL, np.int64)
-    in_cells = np.empty(m, np.int64)
-    cand = np.flatnonzero(ok & (h < bottom))
-    rest = np.flatnonzero(~ok | (h >= bottom))
-    if len(rest):
+    kind = np.zeros(m, np.int64)
+    cand = ok & (h < bottom)
+    if cand.all():  # the usual case: every request may be answered by a pair one level below h*
+        kind, in_cells = _pair_choice(qt, codes, gx, gy, h, k, a_min, tie_h)
+    else:
+        in_cells = np.empty(m, np.int64)
+        rest = np.flatnonzero(~cand)
         lo, hi = cell_base(codes[rest], h[rest])
         in_cells[rest] = range_counts(qt, lo, hi)
-    if len(cand):
-        c = h[cand] + 1
-        sc = GRID_BITS - c
-        sh = (2 * sc).astype(np.uint64)
-        size = np.uint64(1) << sh
-        # The four children of the parent (level h*) are consecutive Morton ranges: 5 boundaries.
-        parent = (codes[cand] >> (sh + np.uint64(2))) << (sh + np.uint64(2))
-        order = np.argsort(parent)
-        bounds = np.empty((5, len(cand)), np.int64)
-        for j in range(5):
-            bounds[j, order] = np.searchsorted(qt.codes_array, (parent + np.uint64(j) * size)[order])
-        in_cells[cand] = bounds[4] - bounds[0]  # the own cell at h* is the parent
-        children = np.diff(bounds, axis=0)  # (4, m) counts, child index q = (y bit << 1) | x bit
-        q = ((codes[cand] >> sh) & np.uint64(3)).astype(np.int64)
-        cols = np.arange(len(cand))
-        n_c = children[q, cols]
-        n_hp = n_c + children[q ^ 1, cols]
-        n_vp = n_c + children[q ^ 2, cols]
-        cx = gx[cand] >> sc
-        cy = gy[cand] >> sc
-        kc = k[cand]
-        sat_h = n_hp >= kc
-        sat_v = n_vp >= kc
-        need = np.flatnonzero(a_min[cand] > 0)
-        if len(need):
-            ac = a_min[cand][need]
-            x, y, cn = cx[need], cy[need], c[need]
-            sat_h[need] &= cell_areas_m2(cn, x & ~1, y, x | 1, y) >= ac
-            sat_v[need] &= cell_areas_m2(cn, x, y & ~1, x, y | 1) >= ac
-        closer = (n_hp < n_vp) | ((n_hp == n_vp) & tie_h)
-        pick_h = sat_h & (~sat_v | closer)
-        pick_v = sat_v & ~pick_h
-        for pick, kd, n_pair in ((pick_h, KIND_HPAIR, n_hp), (pick_v, KIND_VPAIR, n_vp)):
-            idx = cand[pick]
-            px = cx[pick]
-            py = cy[pick]
-            level[idx] = c[pick]
-            kind[idx] = kd
-            in_cells[idx] = n_pair[pick]
-            if kd == KIND_HPAIR:
-                cx0[idx], cx1[idx], cy0[idx], cy1[idx] = px & ~1, px | 1, py, py
-            else:
-                cx0[idx], cx1[idx], cy0[idx], cy1[idx] = px, px, py & ~1, py | 1
-    return CasperArrays(ok, level, cx0, cy0, cx1, cy1, kind, in_cells)
+        c = np.flatnonzero(cand)
+        if len(c):
+            kind[c], in_cells[c] = _pair_choice(qt, codes[c], gx[c], gy[c], h[c], k[c], a_min[c], tie_h)
+    level = h + (kind != KIND_CELL)
+    s = GRID_BITS - level
+    x = gx >> s
+    y = gy >> s
+    xb = kind & 1  # a horizontal pair spans x & ~1 … x | 1, a vertical one y & ~1 … y | 1
+    yb = kind >> 1
+    return CasperArrays(ok, level, x & ~xb, y & ~yb, x | xb, y | yb, kind, in_cells)
+
+
+def _pair_choice(
+    qt: QuadtreeCounts, codes: U64, gx: I64, gy: I64, h: I64, k: I64, a_min: F64, tie_h: bool
+) -> tuple[I64, I64]:
+    """Per request below the root and above the bottom: the kind of Casper's answer (the own cell at
+    ``h`` = h*, or a sibling pair at h* + 1) and the grid count of that rectangle."""
+    c = h + 1
+    sc = GRID_BITS - c
+    sh = (2 * sc).astype(np.uint64)
+    # The four children of the parent (the own cell at h*) are consecutive Morton ranges: 5
+    # boundaries, searched once per run of requests with the same parent (they come in code order).
+    parent = (codes >> (sh + np.uint64(2))) << (sh + np.uint64(2))
+    first, run = group_runs((parent | (np.uint64(1) << sh)).view(np.int64))
+    u = len(first)
+    step = np.uint64(1) << sh[first]
+    needles = np.empty((5, u), np.uint64)
+    needles[0] = parent[first]
+    for j in range(1, 5):
+        needles[j] = needles[j - 1] + step
+    bounds = np.searchsorted(qt.codes_array, needles.ravel())  # row j of the (5, u) bounds, flattened
+    q = ((codes >> sh) & np.uint64(3)).astype(np.int64)  # child index (y bit << 1) | x bit
+    at = q * u + run
+    n_c = bounds[at + u] - bounds[at]
+    r = (q & 2) * u + run  # the row's two children are adjacent in Morton order
+    n_hp = bounds[r + 2 * u] - bounds[r]
+    v = (q ^ 2) * u + run
+    n_vp = n_c + bounds[v + u] - bounds[v]
+    n_parent = bounds[run + 4 * u] - bounds[run]
+    sat_h = n_hp >= k
+    sat_v = n_vp >= k
+    need = np.flatnonzero(a_min > 0)
+    if len(need):
+        x, y, cn, ac = gx[need] >> sc[need], gy[need] >> sc[need], c[need], a_min[need]
+        sat_h[need] &= cell_areas_m2(cn, x & ~1, y, x | 1, y) >= ac
+        sat_v[need] &= cell_areas_m2(cn, x, y & ~1, x, y | 1) >= ac
+    # Prefer the pair closer to k; on a tie the configured direction (⚠ §4.3: horizontal).
+    closer = n_hp <= n_vp if tie_h else n_hp < n_vp
+    pick_h = sat_h & (~sat_v | closer)
+    pick_v = sat_v & ~pick_h
+    kind = pick_h * KIND_HPAIR + pick_v * KIND_VPAIR
+    in_cells = np.where(pick_h, n_hp, np.where(pick_v, n_vp, n_parent))
+    return kind.astype(np.int64), in_cells
 
 
 # -- adaptive: the per-view leaf levels ---------------------------------------------------------
@@ -377,28 +392,42 @@ class CasperCloak(QuadtreeCarrier):
             return UNSUPPORTED_L
         qt = view.cache.get(QuadtreeCounts.CACHE_KEY) or self.counts(view)
         k = profile.k
-        root = self.root
-        if self._root_level:
-            s0 = GRID_BITS - root[0]
-            gx, gy = qt.grid(row)
+        a_min = profile.min_area_m2
+        pos, lon_keys, lat_keys = qt.at_row or qt.row_columns()
+        kx = lon_keys[row]
+        ky = lat_keys[row]
+        gx = (kx >> 1) + GRID_OFFSET - (kx == LON_TOP_KEY)  # grid_of_key, inlined
+        gy = (ky >> 1) + GRID_OFFSET - (ky == LAT_TOP_KEY)
+        root_level = self._root_level
+        if root_level:
+            root = self.root
+            s0 = GRID_BITS - root_level
             if gx >> s0 != root[1] or gy >> s0 != root[2]:
                 return shortfall(qt.n, k) if qt.n < k else OUTSIDE_ROOT
-        if qt.root_count(root) < k:
+            if qt.root_count(root) < k:
+                return shortfall(qt.n, k)
+        elif qt.n < k:  # the whole grid holds everyone
             return shortfall(qt.n, k)
+        if (
+            a_min > 0
+            and cell_area_m2(root_level, gx >> (GRID_BITS - root_level), gy >> (GRID_BITS - root_level)) < a_min
+        ):
+            return shortfall(qt.n, k)  # even the root is too small
         bottom = self._deepest
-        if self.variant == "adaptive" and k >= view.k[row] and profile.min_area_m2 >= view.min_area_m2[row]:
-            bottom = int(leaf_levels(view, root, self._deepest, self._tie_h)[row])
-        found = _casper_scalar(qt, row, k, profile.min_area_m2, self._root_level, bottom, self._tie_h)
-        if found is None:
-            return shortfall(qt.n, k)
-        level, kind, prefix, ranges = found
+        if self.variant == "adaptive" and k >= view.k[row] and a_min >= view.min_area_m2[row]:
+            bottom = int(leaf_levels(view, self.root, bottom, self._tie_h)[row])
+        p = pos[row]
+        level, kind, prefix, ranges = _casper_scalar(
+            qt, p, qt.codes[p], gx, gy, k, a_min, root_level, bottom, self._tie_h
+        )
         key = (((1 << (2 * level)) | prefix) << 2) | kind  # group_id of the rectangle
         memo = qt.regions[self.name]
         region = memo.get(key)
         if region is None:
-            gx, gy = qt.grid(row)
             region = memo[key] = _rect_region_of(view, qt, self.name, level, kind, gx, gy, ranges)
-        return fit_profile(view, region, profile)
+        if region.area_m2 < a_min or region.area_m2 > profile.max_area_m2 or region.k_achieved < k:
+            return fit_profile(view, region, profile)
+        return region
 
     def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
         """Vectorized :meth:`cloak`: level search and pair counts for all requests at once."""
@@ -419,20 +448,23 @@ class CasperCloak(QuadtreeCarrier):
         failed = live[~arr.ok]
         out.status[failed] = np.where(profiles.k[failed] > qt.n, ST_K, ST_AREA)
         sel = np.flatnonzero(arr.ok)
+        group = group_ids(arr.level[sel], codes[sel], arr.kind[sel])
+        first, run = group_runs(group)
+        f = sel[first]
         small = publish_rects(
             view,
             qt,
             out,
             live[sel],
-            arr.level[sel],
-            arr.cx0[sel],
-            arr.cy0[sel],
-            arr.cx1[sel],
-            arr.cy1[sel],
-            arr.in_cells[sel],
-            arr.kind[sel],
+            group,
+            run,
+            arr.level[f],
+            arr.cx0[f],
+            arr.cy0[f],
+            arr.cx1[f],
+            arr.cy1[f],
+            arr.in_cells[f],
             profiles,
-            codes[sel],
         )
         for i in small.tolist():
             out.set(i, self.cloak(view, int(rows[i]), profiles[i]))
