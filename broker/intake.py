@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
@@ -70,7 +70,10 @@ class FixIntake:
         self.clock = clock
         self.closing = False
         self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst)
-        self._last_t: dict[str, float] = {}
+        self._pending_t: dict[str, float] = {}
+        """``t`` of each user's latest fix that passed the checks but is not applied to the positions
+        yet (being stored). A user's latest accepted ``t`` is the newer of this and the position
+        index's: no dict of every user's last time beside the index's own column."""
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
         """Per user, the marker of the latest fix submission that held a fix of the user
@@ -89,9 +92,20 @@ class FixIntake:
         history = self.positions.history
         recent = [] if history is None else self.movement.fixes_between(now - history.keep_s, math.inf)
         self.positions.restore(latest, recent)
-        for user, t, _, _ in latest:
-            self._last_t[user] = t
         return len(latest)
+
+    def _last_t(self, user: str) -> float | None:
+        """The user's latest accepted (or being stored) fix time, or None."""
+        pending = self._pending_t.get(user)
+        return pending if pending is not None else self.positions.latest_t(user)
+
+    def _settle(self, users: Iterable[str]) -> None:
+        """Forget the pending times of ``users`` that the positions now hold (or that were refused)."""
+        pending, latest_t = self._pending_t, self.positions.latest_t
+        for user in users:
+            t = pending.get(user)
+            if t is not None and (applied := latest_t(user)) is not None and applied >= t:
+                del pending[user]
 
     async def submit_fixes(self, transport: str, items: list[tuple[str, Any]], *, source: str = "update") -> FixResult:
         """Validate, durably store and apply fixes; each item is ``(user, fix object or Fix)``.
@@ -105,7 +119,7 @@ class FixIntake:
         rows: list[tuple[str, float, float, float]] = []
         where: list[int] = []
         previous: dict[str, float | None] = {}
-        last_t = self._last_t
+        last_t, pending = self._last_t, self._pending_t
         buckets = self._update_buckets
         take, bucket_now = buckets.take, buckets.clock()
         for i, (user, raw) in enumerate(items):
@@ -127,7 +141,7 @@ class FixIntake:
             if t < oldest:
                 codes[i] = ReasonCode.TOO_OLD
                 continue
-            last = last_t.get(user)
+            last = last_t(user)
             if last is not None and t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
@@ -135,8 +149,8 @@ class FixIntake:
                 codes[i] = ReasonCode.RATE_LIMITED
                 continue
             if user not in previous:
-                previous[user] = last
-            last_t[user] = t
+                previous[user] = pending.get(user)
+            pending[user] = t
             rows.append((user, t, fix.lat, fix.lon))
             where.append(i)
         if rows and not self.movement.writer.try_reserve(len(rows)):
@@ -150,6 +164,7 @@ class FixIntake:
                 self._refuse(codes, where, previous)
                 rows = []
             self.positions.apply(rows)
+        self._settle(previous)
         n_ok = len(rows)
         if n_ok:
             self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)
@@ -162,14 +177,14 @@ class FixIntake:
 
     def _refuse(self, codes: list[ReasonCode | None], where: list[int], previous: dict[str, float | None]) -> None:
         """The fixes at ``where`` passed every check but cannot be stored: ``overloaded``, and each
-        user's last accepted time back to what it was before this call."""
+        user's pending time back to what it was before this call (None: none pending)."""
         for i in where:
             codes[i] = ReasonCode.OVERLOADED
         for user, t in previous.items():
             if t is None:
-                self._last_t.pop(user, None)
+                self._pending_t.pop(user, None)
             else:
-                self._last_t[user] = t
+                self._pending_t[user] = t
 
     async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
         """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes
