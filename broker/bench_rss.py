@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import sys
 import tempfile
 import time
 import urllib.error
@@ -225,26 +224,3 @@ def measure_broker_rss(cfg: BrokerRssConfig, *, log: Callable[[str], None] | Non
         "sqlite_mb": files,
         "settle_s": cfg.settle_s,
     }
-
-
-def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a by-hand entry point
-    import argparse
-
-    p = argparse.ArgumentParser(description="RSS of a real kcloak serve holding N users")
-    p.add_argument("--users", type=int, default=1_000_000)
-    p.add_argument("--queries", type=int, default=200)
-    p.add_argument("--settle-s", type=float, default=TRIM_EVERY_S + 5.0)
-    p.add_argument("--serve", help="command that starts kcloak serve, e.g. '/path/.venv/bin/kcloak serve'")
-    a = p.parse_args(argv)
-    cfg = BrokerRssConfig(
-        users=a.users,
-        queries=a.queries,
-        settle_s=a.settle_s,
-        serve_command=tuple(a.serve.split()) if a.serve else (),
-    )
-    print(json.dumps(measure_broker_rss(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
