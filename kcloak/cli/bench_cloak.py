@@ -109,6 +109,13 @@ def add_parser(bench: SubParsers) -> None:
         "and report its resident memory (broker_rss_mb, broker_peak_mb, target 400 MB at 1M users; "
         "about 4 min at 1M); 'only' skips the algorithm runs",
     )
+    p.add_argument(
+        "--broker-settle-s",
+        type=float,
+        default=35.0,
+        metavar="S",
+        help="--broker-rss: wait after the queries before the reading (35: one period of the broker's malloc_trim)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run_bench_cloak)
@@ -151,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
         raise UsageError("--window-s: only applies with --data")
     if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
         raise UsageError("--time-limit-s: must be positive")
+    if not (math.isfinite(args.broker_settle_s) and args.broker_settle_s >= 0):
+        raise UsageError("--broker-settle-s: must be 0 or a positive number of seconds")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     view_batches = parse_view_batches(args.view_batches)
     if args.view_rounds < 1:
@@ -230,7 +239,7 @@ def broker_memory(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--broker-rss`` phase: a real broker's resident memory holding ``--users`` users."""
     from kcloak.broker.bench_rss import BrokerRssConfig, measure_broker_rss
 
-    cfg = BrokerRssConfig(users=args.users if args.users is not None else DEFAULT_USERS)
+    cfg = BrokerRssConfig(users=args.users if args.users is not None else DEFAULT_USERS, settle_s=args.broker_settle_s)
     say = None if args.no_progress else (lambda text: print(text, file=sys.stderr, flush=True))
     return measure_broker_rss(cfg, log=say)
 
