@@ -107,7 +107,7 @@ def add_parser(bench: SubParsers) -> None:
         help="also start a real `kcloak serve` (loopback, its own data dir, instant upstream), load --users "
         "synthetic users through POST /v1/locations, let it prepare views (kNN queries, housekeeping) "
         "and report its resident memory (broker_rss_mb, broker_peak_mb, target 400 MB at 1M users; "
-        "about 4 min at 1M); 'only' skips the algorithm runs",
+        "4–7 min at 1M on two shared cores); 'only' skips the algorithm runs",
     )
     p.add_argument(
         "--broker-settle-s",
