@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
@@ -21,6 +21,7 @@ from typing import Any
 from kcloak.broker.config import CloakingConfig, LimitsConfig
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.positions import Positions
+from kcloak.broker.ratelimit import TokenBuckets
 from kcloak.broker.stores import MovementStore
 from kcloak.core.logs import log_event
 from kcloak.core.profile import ReasonCode
@@ -30,19 +31,6 @@ log = logging.getLogger("kcloak.pipeline")
 
 FIX_CHUNK = 500
 """Most fixes of one batch handled in one event-loop turn (:meth:`FixIntake.submit_fix_batch`)."""
-
-
-class _UserState:
-    """What intake remembers of one user: the latest accepted fix time (``-inf``: none) and the
-    token bucket of the update rate (``tokens`` as of ``filled_at``, a monotonic time). One record,
-    found with one lookup per fix, instead of a dictionary for times and another for buckets."""
-
-    __slots__ = ("filled_at", "last_t", "tokens")
-
-    def __init__(self, tokens: float, filled_at: float) -> None:
-        self.last_t = -math.inf
-        self.tokens = tokens
-        self.filled_at = filled_at
 
 
 @dataclass(slots=True)
@@ -93,9 +81,11 @@ class FixIntake:
         self.positions = positions
         self.clock = clock
         self.closing = False
-        self._rate, self._burst = limits.update_rate, float(limits.update_burst)
-        self._bucket_clock = bucket_clock
-        self._users: dict[str, _UserState] = {}
+        self._update_buckets = TokenBuckets(limits.update_rate, limits.update_burst, clock=bucket_clock)
+        self._pending_t: dict[str, float] = {}
+        """``t`` of each user's latest fix that passed the checks but is not applied to the positions
+        yet (being stored). A user's latest accepted ``t`` is the newer of this and the position
+        index's: no dict of every user's last time beside the index's own column."""
         self._batch_order = asyncio.Lock()  # submit_fix_batch: batches are validated in arrival order
         self._fixes_in_flight: dict[str, asyncio.Future[None]] = {}
         """Per user, the marker of the latest fix submission that held a fix of the user
@@ -117,15 +107,20 @@ class FixIntake:
         history = self.positions.history
         recent = [] if history is None else self.movement.fixes_between(now - history.keep_s, math.inf)
         self.positions.restore(latest, recent)
-        for user, t, _, _ in latest:
-            self._state(user).last_t = t
         return len(latest)
 
-    def _state(self, user: str) -> _UserState:
-        state = self._users.get(user)
-        if state is None:
-            state = self._users[user] = _UserState(self._burst, self._bucket_clock())
-        return state
+    def _last_t(self, user: str) -> float | None:
+        """The user's latest accepted (or being stored) fix time, or None."""
+        pending = self._pending_t.get(user)
+        return pending if pending is not None else self.positions.latest_t(user)
+
+    def _settle(self, users: Iterable[str]) -> None:
+        """Forget the pending times of ``users`` that the positions now hold (or that were refused)."""
+        pending, latest_t = self._pending_t, self.positions.latest_t
+        for user in users:
+            t = pending.get(user)
+            if t is not None and (applied := latest_t(user)) is not None and applied >= t:
+                del pending[user]
 
     async def submit_fixes(
         self, transport: str, items: list[tuple[str, Any]], *, source: str = "update", urgent: bool = False
@@ -141,9 +136,10 @@ class FixIntake:
         codes: list[ReasonCode | None] = [None] * len(items)
         rows: list[tuple[str, float, float, float]] = []
         where: list[int] = []
-        previous: dict[_UserState, float] = {}
-        users = self._users
-        rate, burst, bucket_now = self._rate, self._burst, self._bucket_clock()
+        previous: dict[str, float | None] = {}
+        last_t, pending = self._last_t, self._pending_t
+        buckets = self._update_buckets
+        take, bucket_now = buckets.take, buckets.clock()
         add_row, add_where = rows.append, where.append
         if self.closing:  # nothing below awaits: it cannot change during the loop
             codes = [ReasonCode.SHUTDOWN] * len(items)
@@ -164,26 +160,16 @@ class FixIntake:
             if t < oldest:
                 codes[i] = ReasonCode.TOO_OLD
                 continue
-            state = users.get(user)
-            if state is None:
-                state = users[user] = _UserState(burst, bucket_now)
-            last = state.last_t
-            if t <= last:
+            last = last_t(user)
+            if last is not None and t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
-            # The update rate's token bucket (as ratelimit.TokenBuckets.take, held in the record).
-            tokens = state.tokens + (bucket_now - state.filled_at) * rate
-            if tokens > burst:
-                tokens = burst
-            state.filled_at = bucket_now
-            if tokens < 1:
-                state.tokens = tokens
+            if not take(user, now=bucket_now):
                 codes[i] = ReasonCode.RATE_LIMITED
                 continue
-            state.tokens = tokens - 1
-            if state not in previous:
-                previous[state] = last
-            state.last_t = t
+            if user not in previous:
+                previous[user] = pending.get(user)
+            pending[user] = t
             add_row((user, t, fix.lat, fix.lon))
             add_where(i)
         if rows and not self.movement.writer.try_reserve(len(rows)):
@@ -197,6 +183,7 @@ class FixIntake:
                 self._refuse(codes, where, previous)
                 rows = []
             self.positions.apply(rows)
+        self._settle(previous)
         n_ok = len(rows)
         if n_ok:
             self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)
@@ -207,14 +194,16 @@ class FixIntake:
         self.metrics.users_indexed.set(len(self.positions))
         return FixResult(codes)
 
-    @staticmethod
-    def _refuse(codes: list[ReasonCode | None], where: list[int], previous: dict[_UserState, float]) -> None:
+    def _refuse(self, codes: list[ReasonCode | None], where: list[int], previous: dict[str, float | None]) -> None:
         """The fixes at ``where`` passed every check but cannot be stored: ``overloaded``, and each
-        user's last accepted time back to what it was before this call."""
+        user's pending time back to what it was before this call (None: none pending)."""
         for i in where:
             codes[i] = ReasonCode.OVERLOADED
-        for state, t in previous.items():
-            state.last_t = t
+        for user, t in previous.items():
+            if t is None:
+                self._pending_t.pop(user, None)
+            else:
+                self._pending_t[user] = t
 
     async def submit_fix_batch(self, transport: str, items: list[tuple[str, Any]]) -> FixResult:
         """:meth:`submit_fixes` for a batch message of any size: handed over :data:`FIX_CHUNK` fixes

@@ -10,13 +10,19 @@ import numpy.typing as npt
 
 
 class TokenBuckets:
-    """One token bucket per key: ``rate`` tokens/s up to ``burst``. Idle buckets are forgotten."""
+    """One token bucket per key: ``rate`` tokens/s up to ``burst``. Idle buckets are forgotten.
+
+    A bucket is kept as one float, the time it is full again (with ``rate`` ≤ 0, which never
+    refills: the tokens left), not as a (tokens, time) pair: a million users' buckets are a dict
+    entry and a float each. A bucket that is full is the same as none, and is forgotten when the
+    dict grows past :data:`PRUNE_ABOVE` keys.
+    """
 
     def __init__(self, rate: float, burst: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
         self.burst = float(burst)
         self._clock = clock
-        self._state: dict[str, tuple[float, float]] = {}
+        self._state: dict[str, float] = {}
 
     def take(self, key: str, n: int = 1, *, now: float | None = None) -> bool:
         """Take ``n`` tokens from ``key``'s bucket if it holds them. ``now`` (the clock's time) lets
@@ -24,17 +30,18 @@ class TokenBuckets:
         if now is None:
             now = self._clock()
         state = self._state.get(key)
-        if state is None:
-            tokens = self.burst
-        else:
-            tokens = state[0] + (now - state[1]) * self.rate
-            if tokens > self.burst:
-                tokens = self.burst
-        if tokens < n:
-            self._state[key] = (tokens, now)
+        rate = self.rate
+        if rate <= 0:  # no refill: the state is the tokens left
+            tokens = self.burst if state is None else state
+            if tokens < n:
+                return False
+            self._state[key] = tokens - n
+            return True
+        full_at = now if state is None or state < now else state
+        if self.burst - (full_at - now) * rate < n:
             return False
-        self._state[key] = (tokens - n, now)
-        if len(self._state) > 200_000:
+        self._state[key] = full_at + n / rate
+        if len(self._state) > PRUNE_ABOVE:
             self._prune(now)
         return True
 
@@ -43,9 +50,12 @@ class TokenBuckets:
         return self._clock()
 
     def _prune(self, now: float) -> None:
-        full_after = self.burst / self.rate if self.rate > 0 else float("inf")
-        for key in [k for k, (_, last) in self._state.items() if now - last > full_after]:
+        for key in [k for k, full_at in self._state.items() if full_at <= now]:
             del self._state[key]
+
+
+PRUNE_ABOVE = 200_000
+"""Buckets kept before the full ones are forgotten."""
 
 
 class DedupWindow:

@@ -187,8 +187,8 @@ class PositionIndex:
             self._ids = list(self._ids)
             self._ids_shared = False
 
-    def update(self, user: str, lat: float, lon: float, t: float) -> None:
-        """Set the latest fix of ``user`` (adds the user if new). O(1)."""
+    def update(self, user: str, lat: float, lon: float, t: float) -> int:
+        """Set the latest fix of ``user`` (adds the user if new); returns the user's row. O(1)."""
         row = self._row.get(user)
         if row is None:
             row = self._new_row(user)
@@ -198,9 +198,11 @@ class PositionIndex:
         self._lon[row] = lon
         self._t[row] = t
         self._touched[row] = True
+        return row
 
-    def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> None:
-        """Apply many fixes at once; for a user named twice the later item wins."""
+    def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> I64:
+        """Apply many fixes at once; for a user named twice the later item wins. Returns the row of
+        each item's user (one entry per item)."""
         get = self._row.get
         rows = [get(u, -1) for u in users]
         if -1 in rows:
@@ -208,7 +210,7 @@ class PositionIndex:
                 if r == -1:
                     r = self._row.get(users[i], -1)
                     rows[i] = r if r != -1 else self._new_row(users[i])
-        idx = np.asarray(rows, dtype=np.int64)
+        idx = item_rows = np.asarray(rows, dtype=np.int64)
         lat_a = np.asarray(lat, dtype=np.float64)
         lon_a = np.asarray(lon, dtype=np.float64)
         t_a = np.asarray(t, dtype=np.float64)
@@ -222,6 +224,19 @@ class PositionIndex:
         self._lon[idx] = lon_a
         self._t[idx] = t_a
         self._touched[idx] = True
+        return item_rows
+
+    def row_of(self, user: str) -> int | None:
+        """The user's row (stable for as long as the user is not removed), or None."""
+        return self._row.get(user)
+
+    def latest_t(self, user: str) -> float | None:
+        """``t`` of the user's latest fix, or None (no fix, or removed)."""
+        row = self._row.get(user)
+        if row is None:
+            return None
+        t: float = self._t.item(row)
+        return None if t == -np.inf else t
 
     def user_ids(self) -> list[str]:
         """Every user the index holds (present or not)."""

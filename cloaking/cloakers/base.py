@@ -10,6 +10,7 @@ included) and cache per-view state in ``view.cache``.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -19,6 +20,29 @@ import numpy.typing as npt
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import BBox, expand_to_area
 from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+
+
+class ViewRef:
+    """The view a per-view state belongs to, for a state kept in that view's own cache.
+
+    Held weakly there: a strong reference back from the cached state would make a cycle that only
+    Python's full collection frees (about 250 ms at a million users, so it runs rarely), and every
+    replaced view, ~100 MB at a million users, would stay resident until then. ``strong=True`` for a
+    view held by nothing but the state (a sub-view made for it).
+    """
+
+    __slots__ = ("_ref", "_view")
+
+    def __init__(self, view: IndexView, *, strong: bool = False) -> None:
+        self._view = view if strong else None
+        self._ref = None if strong else weakref.ref(view)
+
+    def __call__(self) -> IndexView:
+        view = self._view if self._ref is None else self._ref()
+        if view is None:
+            raise ReferenceError("the view of this state is gone")
+        return view
+
 
 I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, np.int64)

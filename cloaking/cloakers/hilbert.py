@@ -27,6 +27,7 @@ from kcloak.cloaking.cloakers.base import (
     CloakResult,
     Refusal,
     Region,
+    ViewRef,
     refuse,
 )
 from kcloak.cloaking.cloakers.hilbert_segments import (
@@ -773,6 +774,11 @@ def segment_buckets(
 class _HilbertState:
     """Buckets of one view (built once, §2.4) plus lazily grown regions and super-buckets."""
 
+    @property
+    def view(self) -> IndexView:
+        """The view this state belongs to."""
+        return self._view()
+
     def __init__(
         self,
         view: IndexView,
@@ -782,7 +788,8 @@ class _HilbertState:
         carry: _Carry | None = None,
         segment_factor: int = SEGMENT_FACTOR,
     ) -> None:
-        self.view = view
+        # Weakly (ViewRef), but a cell's sub-view, held by nothing else, strongly.
+        self._view = ViewRef(view, strong=view_rows is not None)
         self.view_rows = view_rows
         """Rows of a larger view that ``view``'s rows stand for (a cell's users): anonymizing sets use them."""
         self.algorithm = algorithm
@@ -1035,10 +1042,15 @@ class _CelledState:
     is judged on the cell's population, exactly as a worker owning that cell alone would.
     """
 
+    @property
+    def view(self) -> IndexView:
+        """The view this state belongs to."""
+        return self._view()
+
     def __init__(
         self, view: IndexView, cells: CellMap, order: int, algorithm: str, segment_factor: int = SEGMENT_FACTOR
     ) -> None:
-        self.view = view
+        self._view = ViewRef(view, strong=False)
         self.segment_factor = segment_factor
         self.order = order
         self.algorithm = algorithm

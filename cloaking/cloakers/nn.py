@@ -13,7 +13,15 @@ import numpy as np
 import numpy.typing as npt
 from scipy.spatial import cKDTree
 
-from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakMode, CloakResult, finish_region, refuse
+from kcloak.cloaking.cloakers.base import (
+    STATUS_OF,
+    BatchResult,
+    CloakMode,
+    CloakResult,
+    ViewRef,
+    finish_region,
+    refuse,
+)
 from kcloak.cloaking.cloakers.hilbert import bbox_areas_m2, bboxes_around_keys
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import EARTH_RADIUS_M, BBox, bbox_around_keys, haversine_m_array
@@ -35,8 +43,13 @@ _K_UNREACHABLE = refuse(ReasonCode.K_UNREACHABLE)
 class _NNState:
     """Per-view KD-tree on unit-sphere vectors: chord order is great-circle order."""
 
+    @property
+    def view(self) -> IndexView:
+        """The view this state belongs to (held weakly: the state sits in the view's cache)."""
+        return self._view()
+
     def __init__(self, view: IndexView) -> None:
-        self.view = view
+        self._view = ViewRef(view)
         self.n = len(view)
         phi = np.radians(view.lat)
         lam = np.radians(view.lon)

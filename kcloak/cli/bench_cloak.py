@@ -98,6 +98,24 @@ def add_parser(bench: SubParsers) -> None:
         "from scratch, and compare them ('none' skips it; 1000,10000)",
     )
     p.add_argument("--view-rounds", type=int, default=3, metavar="N", help="views section: batches of each size (3)")
+    p.add_argument(
+        "--broker-rss",
+        nargs="?",
+        const="also",
+        choices=("also", "only"),
+        metavar="only",
+        help="also start a real `kcloak serve` (loopback, its own data dir, instant upstream), load --users "
+        "synthetic users through POST /v1/locations, let it prepare views (kNN queries, housekeeping) "
+        "and report its resident memory (broker_rss_mb, broker_peak_mb, target 400 MB at 1M users; "
+        "4–7 min at 1M on two shared cores); 'only' skips the algorithm runs",
+    )
+    p.add_argument(
+        "--broker-settle-s",
+        type=float,
+        default=35.0,
+        metavar="S",
+        help="--broker-rss: wait after the queries before the reading (35: one period of the broker's malloc_trim)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run_bench_cloak)
@@ -140,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> CloakBenchConfig:
         raise UsageError("--window-s: only applies with --data")
     if not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
         raise UsageError("--time-limit-s: must be positive")
+    if not (math.isfinite(args.broker_settle_s) and args.broker_settle_s >= 0):
+        raise UsageError("--broker-settle-s: must be 0 or a positive number of seconds")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     view_batches = parse_view_batches(args.view_batches)
     if args.view_rounds < 1:
@@ -193,18 +213,59 @@ def run_bench_cloak(args: argparse.Namespace) -> int:
 
     fix_mmap_threshold()  # as `kcloak serve` does: the resident sizes reported are the broker's
     config = config_from_args(args)
+    if args.broker_rss == "only":
+        return run_broker_rss(args)
     pop = load_population(args, config.seed)
     show = not args.no_progress and sys.stderr.isatty()
     with phase_progress(show) as progress:
         report = run_cloak_bench(pop, config, progress=progress)
+    broker = broker_memory(args) if args.broker_rss else None
     for row in report.rows:
         if "error" in row.extra:
             print(f"kcloak: warning: {row.algorithm}: {row.extra['error']}", file=sys.stderr)
     if args.json:
-        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+        out = report.to_json()
+        if broker is not None:
+            out["broker_memory"] = broker
+        sys.stdout.write(json.dumps(out) + "\n")
     else:
         print_table(report)
+        if broker is not None:
+            print_broker_memory(broker)
     return 1 if report.failed else 0
+
+
+def broker_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--broker-rss`` phase: a real broker's resident memory holding ``--users`` users."""
+    from kcloak.broker.bench_rss import BrokerRssConfig, measure_broker_rss
+
+    cfg = BrokerRssConfig(users=args.users if args.users is not None else DEFAULT_USERS, settle_s=args.broker_settle_s)
+    say = None if args.no_progress else (lambda text: print(text, file=sys.stderr, flush=True))
+    return measure_broker_rss(cfg, log=say)
+
+
+def run_broker_rss(args: argparse.Namespace) -> int:
+    """``--broker-rss only``: the broker phase alone, as ``{"bench": "cloak", "results": [], "broker_memory": …}``."""
+    broker = broker_memory(args)
+    if args.json:
+        sys.stdout.write(json.dumps({"bench": "cloak", "results": [], "broker_memory": broker}) + "\n")
+    else:
+        print_broker_memory(broker)
+    return 0 if broker["accepted"] == broker["users"] else 1
+
+
+def print_broker_memory(b: dict[str, Any]) -> None:
+    """The ``--broker-rss`` figures, one paragraph."""
+    verdict = "met" if b["met"] else "NOT met"
+    print(
+        f"broker memory — kcloak serve ({b['algorithm']}) holding {b['users']:,} users "
+        f"({b['accepted']:,} fixes accepted in {b['load_s']:.0f} s, {b['users_present']} present), "
+        f"after {b['queries']} queries and {b['settle_s']:.0f} s: RSS {b['broker_rss_mb']:,.0f} MB, "
+        f"peak {b['broker_peak_mb']:,.0f} MB; target < {b['target_mb']:,.0f} MB: {verdict}. "
+        f"Idle {b['rss_mb_idle']:,.0f} MB, loaded {b['rss_mb_loaded']:,.0f} MB, "
+        f"after queries {b['rss_mb_after_queries']:,.0f} MB; SQLite files "
+        f"{sum(b['sqlite_mb'].values()):,.0f} MB."
+    )
 
 
 # -- the readable table -----------------------------------------------------------------------

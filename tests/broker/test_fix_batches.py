@@ -62,7 +62,8 @@ async def test_other_work_runs_between_the_chunks(http_broker: Broker) -> None:
 
     async def probe() -> None:
         await asyncio.sleep(0)
-        seen.append(len(pipeline.intake._users))  # fixes validated so far (one chunk, not the batch)
+        # fixes validated so far, stored or still being stored (one chunk, not the batch)
+        seen.append(sum(pipeline.intake._last_t(user) is not None for user, _ in items))
 
     batch = asyncio.create_task(pipeline.submit_fix_batch("http", items))
     await asyncio.gather(batch, probe())

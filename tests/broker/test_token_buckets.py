@@ -1,0 +1,62 @@
+"""Per-user token buckets (contract §9 ``[limits]``): burst, refill at the rate, forgetting full ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from kcloak.broker import ratelimit
+from kcloak.broker.ratelimit import TokenBuckets
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_burst_then_the_rate() -> None:
+    clock = Clock()
+    b = TokenBuckets(rate=2.0, burst=5, clock=clock)
+    assert [b.take("ann") for _ in range(6)] == [True] * 5 + [False]
+    assert b.take("bob")  # buckets are per key
+    clock.t += 0.49  # 0.98 tokens back: not yet one
+    assert not b.take("ann")
+    clock.t += 0.02
+    assert b.take("ann") and not b.take("ann")
+    clock.t += 100.0  # refilled up to the burst, not beyond
+    assert [b.take("ann") for _ in range(6)] == [True] * 5 + [False]
+    assert not b.take("cid", 6) and b.take("cid", 5)  # more than the burst at once: never
+
+
+def test_refusals_take_nothing() -> None:
+    clock = Clock()
+    b = TokenBuckets(rate=1.0, burst=2, clock=clock)
+    assert b.take("ann") and b.take("ann")
+    for _ in range(10):
+        assert not b.take("ann")
+    clock.t += 1.0
+    assert b.take("ann")
+
+
+def test_a_rate_of_zero_never_refills() -> None:
+    clock = Clock()
+    b = TokenBuckets(rate=0.0, burst=3, clock=clock)
+    assert [b.take("ann") for _ in range(4)] == [True, True, True, False]
+    clock.t += 1e6
+    assert not b.take("ann")
+
+
+def test_full_buckets_are_forgotten_and_start_full_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ratelimit, "PRUNE_ABOVE", 10)
+    clock = Clock()
+    b = TokenBuckets(rate=1.0, burst=3, clock=clock)
+    for i in range(10):
+        assert b.take(f"u{i}")
+    assert b.take("ann") and b.take("ann") and b.take("ann") and not b.take("ann")
+    clock.t += 1.5  # the u* buckets are full again; ann's is not (1.5 of 3 tokens)
+    assert b.take("new")  # past the bound: the full ones go
+    assert len(b._state) == 2
+    assert b.take("ann") and not b.take("ann")  # ann kept its state: 1.5 tokens, one taken
+    assert all(b.take("u1") for _ in range(3)) and not b.take("u1")  # a forgotten bucket is full
