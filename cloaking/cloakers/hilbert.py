@@ -128,26 +128,34 @@ def hilbert_sort(hv: I64, tie: U64) -> I64:
     return order
 
 
-def order_ties(rows: I64, hv_sorted: I64, salt: U64 | Callable[[I64], U64], seed: int) -> I64 | None:
+def order_ties(rows: I64, hv_sorted: I64, salt: U64 | Callable[[I64], U64], seed: int) -> tuple[I64, I64] | None:
     """How to put rows already ordered by Hilbert value (equal values in any order) in
     :func:`hilbert_sort`'s order with ``tie_keys(salt, seed)``: runs of equal values by ``(tie, row)``.
 
-    Returns the permutation of positions (``rows[perm]`` is that order), or None when no value
-    repeats. Only the tied runs are sorted, and only their tie keys computed. ``salt``: the salt of
-    every row, or a function giving the salts of given rows.
+    Returns ``(pos, src)``: the positions in tied runs and, for each, the position whose row goes
+    there (``out = rows.copy(); out[pos] = rows[src]`` is that order; see :func:`apply_ties`), or
+    None when no value repeats. Only the tied runs are sorted, and only their tie keys computed.
+    ``salt``: the salt of every row, or a function giving the salts of given rows.
     """
     eq = hv_sorted[1:] == hv_sorted[:-1]
-    if not eq.any():
+    at = np.flatnonzero(eq)
+    if not len(at):
         return None
-    tied = np.zeros(len(rows), bool)
-    tied[1:] |= eq
-    tied[:-1] |= eq
-    pos = np.flatnonzero(tied)
+    pos = np.union1d(at, at + 1)
     sub = rows[pos]
-    perm = np.arange(len(rows), dtype=np.int64)
     salts = salt(sub) if callable(salt) else salt[sub]
-    perm[pos] = pos[np.lexsort((sub, tie_keys(salts, seed), hv_sorted[pos]))]
-    return perm
+    return pos, pos[np.lexsort((sub, tie_keys(salts, seed), hv_sorted[pos]))]
+
+
+def apply_ties(a: npt.NDArray[Any], ties: tuple[I64, I64] | None) -> npt.NDArray[Any]:
+    """``a`` (in curve order) with the tied runs put in :func:`order_ties`' order (``a`` itself
+    when nothing repeats; otherwise a copy with only the tied positions written)."""
+    if ties is None:
+        return a
+    pos, src = ties
+    out = a.copy()
+    out[pos] = a[src]
+    return out
 
 
 def partition_buckets(k_sorted: npt.ArrayLike) -> I64:
@@ -446,29 +454,43 @@ SMALL_CHANGE_LIMIT = 1 << 22
 without shapely boxes; above, :func:`count_change` does with an STR-tree."""
 
 
+_CHANGE_BANDS = 256
+"""Latitude bands :func:`count_change_sorted` sorts the changed points into."""
+
+
 def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
-    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by longitude key:
-    each box's candidates are one slice, tested on latitude. None when there are more than
-    ``limit`` candidates (a large change)."""
+    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by latitude band,
+    then longitude key: each box's candidates are one slice per band it overlaps, tested on
+    latitude. None when there are more than ``limit`` candidates (a large change)."""
     m = len(boxes)
     n_added = len(delta.added_lon_key)
     lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key])
     if m == 0 or len(lon) == 0:
         return np.zeros(m, np.int64)
     lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key])
-    order = np.argsort(lon, kind="stable")
-    lon, lat = lon[order], lat[order]
+    lat0 = int(lat.min())
+    lon0 = int(lon.min())
+    height = (int(lat.max()) - lat0) // _CHANGE_BANDS + 1
+    width = int(lon.max()) - lon0 + 2  # one more than any point's offset: a band's end
+    key = (lat - lat0) // height * width + (lon - lon0)
+    order = np.argsort(key, kind="stable")
+    key, lat = key[order], lat[order]
     sign = np.where(order < n_added, 1, -1)
     kb = key_bounds_array(boxes)
-    lo = np.searchsorted(lon, kb[:, 0], "left")
-    length = np.maximum(np.searchsorted(lon, kb[:, 2], "right") - lo, 0)
+    b0 = np.maximum((kb[:, 1] - lat0) // height, 0)
+    span = np.maximum(np.minimum((kb[:, 3] - lat0) // height, _CHANGE_BANDS) - b0 + 1, 0)
+    box = np.repeat(np.arange(m), span)
+    band = _ranges(b0, span) * width
+    lo = np.searchsorted(key, band + np.clip(kb[box, 0] - lon0, 0, width - 1), "left")
+    hi = np.searchsorted(key, band + np.clip(kb[box, 2] - lon0, -1, width - 1), "right")
+    length = np.maximum(hi - lo, 0)
     total = int(length.sum())
     if total > limit:
         return None
-    box = np.repeat(np.arange(m), length)
-    at = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(total)
-    inside = (lat[at] >= kb[box, 1]) & (lat[at] <= kb[box, 3])
-    out: I64 = np.bincount(box[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
+    owner = np.repeat(box, length)
+    at = _ranges(lo, length)
+    inside = (lat[at] >= kb[owner, 1]) & (lat[at] <= kb[owner, 3])
+    out: I64 = np.bincount(owner[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
     return out
 
 
@@ -523,13 +545,17 @@ class _Carry:
         rest[kept_new] = False
         idx = np.flatnonzero(rest)
         new, old = kept_new, kept_old
-        if len(idx):
-            old_h = _box_hashes(self.mbr, self.amin)
+        # Candidates: the previous buckets not kept (a kept one is taken over by its new number).
+        cand = np.ones(len(self.mbr), bool)
+        cand[kept_old] = False
+        cand_idx = np.flatnonzero(cand)
+        if len(idx) and len(cand_idx):
+            old_h = _box_hashes(self.mbr[cand_idx], self.amin[cand_idx])
             order = np.argsort(old_h, kind="stable")
             old_h = old_h[order]
             h = _box_hashes(st.mbr[idx], st.amin_arr[idx])
             pos = np.minimum(np.searchsorted(old_h, h), len(old_h) - 1)
-            at = order[pos]
+            at = cand_idx[order[pos]]
             hit = (old_h[pos] == h) & (self.mbr[at] == st.mbr[idx]).all(axis=1) & (self.amin[at] == st.amin_arr[idx])
             new = np.concatenate([new, idx[hit]])
             old = np.concatenate([old, at[hit]])
@@ -599,6 +625,11 @@ class Buckets:
     """Buckets taken over unchanged from the previous view's (with the segment that holds them) …"""
     kept_old: I64
     """… and their numbers in the previous view."""
+    kept_heads: int = 0
+    """Segments cut again only from their first change on (the buckets before it kept)."""
+    kept_tails: int = 0
+    """Segments whose new chain met the previous view's after their last change (the buckets from
+    there kept)."""
 
 
 class _BucketCarry:
@@ -678,9 +709,13 @@ def segment_buckets(
 
     Segments come from :func:`curve_segments` with :func:`segment_threshold` (``factor`` 0: one
     chain over everyone). With the previous view's carry and the values around which anything
-    changed (``dirty_hv``), a segment with the same bounds, the same population and no changed
-    value keeps its buckets (positions shifted); the others are cut again. ``remap``: the previous
-    view's row of each view row when the rows were renumbered (None: the same rows).
+    changed (``dirty_hv``), a segment that starts at the same value as one of the previous view's
+    keeps that one's buckets up to the first value where the two may differ (a changed value, or
+    the end of the shorter segment): those buckets are steps of the greedy chain over users and
+    profiles both views share. Only the rest of the segment is cut again (the whole segment when
+    that rest holds fewer users than its largest ``k``, whose leftover would merge into the kept
+    buckets). ``remap``: the previous view's row of each view row when the rows were renumbered
+    (None: the same rows).
     """
     n = len(rows)
     threshold = segment_threshold(view.k_max if n else 1, factor)
@@ -688,21 +723,43 @@ def segment_buckets(
     seg_pos = np.append(np.searchsorted(hv_sorted, seg_lo), n).astype(np.int64)
     s = len(seg_lo)
     seg_len = np.diff(seg_pos)
-    clean = np.zeros(s, bool)
+    keep_n = np.zeros(s, np.int64)  # the previous view's buckets each segment keeps (a prefix)
+    cut_at = np.zeros(s, np.int64)  # where each segment is cut again (relative; seg_len: not at all)
     old_j = np.zeros(s, np.int64)
     if prev is not None and dirty_hv is not None:
         old = prev.buckets
         top = np.int64(1) << np.int64(2 * order)
         old_j = np.minimum(np.searchsorted(old.seg_lo, seg_lo), len(old.seg_lo) - 1)
-        old_hi = np.append(old.seg_lo[1:], top)
-        clean = (old.seg_lo[old_j] == seg_lo) & (old_hi[old_j] == np.append(seg_lo[1:], top))
-        clean &= np.diff(old.seg_pos)[old_j] == seg_len
+        old_len = np.diff(old.seg_pos)[old_j]
+        same = (old.seg_lo[old_j] == seg_lo) & (old_len > 0)
+        # The first value from which a segment may differ from the previous view's.
+        h_cut = np.minimum(np.append(seg_lo[1:], top), np.append(old.seg_lo[1:], top)[old_j])
+        new_hi = np.append(seg_lo[1:], top)
+        same_hi = same & (new_hi == np.append(old.seg_lo[1:], top)[old_j])
+        tail_at = seg_len.copy()  # users from here on: alike in both views (same bounds only)
         if len(dirty_hv):
-            clean[np.searchsorted(seg_lo, dirty_hv, "right") - 1] = False
-        if 2 * int(seg_len[~clean].sum()) > n:  # most users to re-bucket: one pass over everyone is cheaper
-            clean[:] = False
+            dh = np.sort(dirty_hv)
+            i = np.searchsorted(dh, seg_lo)
+            h_cut = np.minimum(h_cut, np.where(i < len(dh), dh[np.minimum(i, len(dh) - 1)], top))
+            i = np.searchsorted(dh, new_hi) - 1  # the last changed value before the segment's end
+            h_last = dh[np.maximum(i, 0)]
+            changed = (i >= 0) & (h_last >= seg_lo)
+            tail_at[changed] = np.searchsorted(hv_sorted, h_last[changed], "right") - seg_pos[:-1][changed]
+        same_len = np.searchsorted(hv_sorted, h_cut) - seg_pos[:-1]  # users before it: alike in both views
+        whole = same & (same_len == seg_len) & (same_len == old_len)
+        # The other segments keep the buckets that end at or before the shared users' end (and
+        # before the old segment's end, which a merged leftover may have reached).
+        last = old.seg_pos[old_j] + np.minimum(same_len, old_len - 1)
+        b = np.searchsorted(old.bounds, last, "right") - 1
+        keep_n = np.where(same, b - old.seg_b[old_j], 0)
+        cut_at = np.where(same, old.bounds[b] - old.seg_pos[old_j], 0)
+        keep_n[whole] = np.diff(old.seg_b)[old_j[whole]]
+        cut_at[whole] = seg_len[whole]
+        if 2 * int((seg_len - cut_at).sum()) > n:  # most users to re-bucket: one pass over everyone is cheaper
+            keep_n[:] = 0
+            cut_at[:] = 0
     lon_key, lat_key = keys_sorted
-    if not clean.any():  # everything from the curve order
+    if not keep_n.any():  # everything from the curve order
         if s == 1:
             bounds = partition_buckets(view.k[rows])
         else:
@@ -719,37 +776,82 @@ def segment_buckets(
         return Buckets(seg_lo, seg_pos, seg_b, bounds, bucket_of, sizes, amin, amax, mbr, none, none)
     assert prev is not None
     old = prev.buckets
-    # The segments to cut again, laid end to end (d_start: where each starts in that run).
-    dirty = np.flatnonzero(~clean)
-    d_len = seg_len[dirty]
-    dpos = _ranges(seg_pos[dirty], d_len)
-    d_start = np.cumsum(d_len) - d_len
+    # The previous view's buckets from a segment's tail on, taken over when its chain is met.
+    tail_n = np.zeros(s, np.int64)
+    tail_b = np.zeros(s, np.int64)
+    b_end = seg_len.copy()  # where the buckets cut again end (relative)
+    b_starts: list[I64] = []  # their first positions (absolute)
+    todo = cut_at < seg_len
+    # (only where that skips users: a window reaching the segment's end is cut the plain way)
+    sync = np.flatnonzero(todo & same_hi & (tail_at + _MEET_MARGIN * max(int(view.k_max), 1) < seg_len))
+    if len(sync):
+        got = _meet_old_chain(
+            view,
+            rows,
+            old,
+            sync,
+            old_j[sync],
+            seg_pos[sync],
+            cut_at[sync],
+            seg_len[sync],
+            tail_at[sync],
+            seg_len[sync] - old_len[sync],
+        )
+        met, met_at, met_b, starts_at = got
+        todo[met] = False
+        b_end[met] = met_at
+        tail_b[met] = met_b
+        tail_n[met] = np.where(met_b >= 0, old.seg_b[old_j[met] + 1] - met_b, 0)
+        b_starts.append(starts_at)
+    while True:  # the rest of each other segment from its cut, laid end to end (d_start: where each starts)
+        dirty = np.flatnonzero(todo)
+        d_len = seg_len[dirty] - cut_at[dirty]
+        dpos = _ranges(seg_pos[dirty] + cut_at[dirty], d_len)
+        d_start = np.cumsum(d_len) - d_len
+        k = np.maximum(view.column_at("k", rows[dpos]), 1)
+        if not len(dpos):
+            break
+        short = (d_len < np.maximum.reduceat(k, d_start)) & (cut_at[dirty] > 0)
+        if not short.any():
+            break
+        keep_n[dirty[short]] = 0  # a leftover would merge into kept buckets: cut the whole segment
+        cut_at[dirty[short]] = 0
     if len(dpos):
-        d_rows = rows[dpos]
-        k = np.maximum(view.column_at("k", d_rows), 1)
-        local = partition_segments(k, d_start, _bucket_ends(k, int(k.max())))
-    else:
-        d_rows = dpos
-        local = np.zeros(0, np.int64)
+        b_starts.append(dpos[partition_segments(k, d_start, _bucket_ends(k, int(k.max())))])
+    # The buckets cut again, laid end to end: each segment's run [cut_at, b_end).
+    recut = np.flatnonzero(cut_at < b_end)
+    r_len = b_end[recut] - cut_at[recut]
+    r_lo = seg_pos[recut] + cut_at[recut]
+    r_start = np.cumsum(r_len) - r_len
+    dpos = _ranges(r_lo, r_len)
+    d_rows = rows[dpos]
+    starts_abs = np.sort(np.concatenate(b_starts)) if b_starts else np.zeros(0, np.int64)
+    owner = np.searchsorted(r_lo, starts_abs, "right") - 1
+    local = starts_abs - r_lo[owner] + r_start[owner]
     d_bounds = np.append(local, len(dpos))
     d_sizes = np.diff(d_bounds)
-    cnt_d = np.bincount(np.searchsorted(d_start, local, "right") - 1, minlength=len(dirty))
+    cnt_d = np.zeros(s, np.int64)
+    cnt_d[recut] = np.bincount(owner, minlength=len(recut))
     d_amin, d_amax, d_mbr = _bucket_columns(view, d_rows, lon_key[dpos], lat_key[dpos], d_bounds)
-    # The others keep their buckets, numbered after the buckets before them.
-    kept = np.flatnonzero(clean)
-    kj = old_j[kept]
-    cnt_c = np.diff(old.seg_b)[kj]
-    cnt = np.zeros(s, np.int64)
-    cnt[kept] = cnt_c
-    cnt[dirty] = cnt_d
+    # Each segment's kept buckets first, then its new ones, then its kept tail, numbered after the
+    # buckets before them.
+    cnt = keep_n + cnt_d + tail_n
     seg_b = np.append(np.cumsum(cnt) - cnt, int(cnt.sum())).astype(np.int64)
     nb = int(seg_b[-1])
-    ob = _ranges(old.seg_b[kj], cnt_c)
-    nbi_c = _ranges(seg_b[kept], cnt_c)
-    nbi_d = _ranges(seg_b[dirty], cnt_d)
+    head = np.flatnonzero(keep_n)
+    tail = np.flatnonzero(tail_n)
+    ob = np.concatenate([_ranges(old.seg_b[old_j[head]], keep_n[head]), _ranges(tail_b[tail], tail_n[tail])])
+    nbi_c = np.concatenate(
+        [_ranges(seg_b[head], keep_n[head]), _ranges(seg_b[tail] + keep_n[tail] + cnt_d[tail], tail_n[tail])]
+    )
+    shift = seg_pos[:-1] - old.seg_pos[old_j]
+    moved_by = np.concatenate(
+        [np.repeat(shift[head], keep_n[head]), np.repeat((shift + seg_len - old_len)[tail], tail_n[tail])]
+    )
+    nbi_d = _ranges(seg_b[recut] + keep_n[recut], cnt_d[recut])
     starts = np.empty(nb, np.int64)
-    starts[nbi_c] = old.bounds[ob] + np.repeat(seg_pos[kept] - old.seg_pos[kj], cnt_c)
-    starts[nbi_d] = dpos[local]
+    starts[nbi_c] = old.bounds[ob] + moved_by
+    starts[nbi_d] = starts_abs
     sizes = np.empty(nb, np.int64)
     sizes[nbi_c] = old.sizes[ob]
     sizes[nbi_d] = d_sizes
@@ -768,7 +870,97 @@ def segment_buckets(
     # table lookups: the table stays in cache (rows new to the view are all in re-cut segments)
     bucket_of = table[old.bucket_of] if remap is None else table[old.bucket_of[remap]]
     bucket_of[d_rows] = np.repeat(nbi_d, d_sizes)
-    return Buckets(seg_lo, seg_pos, seg_b, np.append(starts, n), bucket_of, sizes, amin, amax, mbr, nbi_c, ob)
+    heads = int(np.count_nonzero((keep_n > 0) & (cnt_d > 0)))
+    return Buckets(
+        seg_lo, seg_pos, seg_b, np.append(starts, n), bucket_of, sizes, amin, amax, mbr, nbi_c, ob, heads, len(tail)
+    )
+
+
+_MEET_MARGIN = 4
+"""Users past the last change :func:`_meet_old_chain` reads, in units of the largest stored ``k``."""
+
+
+def _meet_old_chain(
+    view: IndexView,
+    rows: I64,
+    old: Buckets,
+    segs: I64,
+    old_j: I64,
+    seg_pos: I64,
+    cut_at: I64,
+    seg_len: I64,
+    tail_at: I64,
+    grew: I64,
+) -> tuple[I64, I64, I64, I64]:
+    """Walk the greedy chain of segments ``segs`` (the same bounds as the previous view's segments
+    ``old_j``) from ``cut_at`` until it meets a start of the previous chain among the users both
+    views share at the end (from ``tail_at``; the previous view's positions are ``grew`` fewer).
+
+    From a start both chains share, both go on alike over the same users and stored profiles,
+    and both merge the same leftover (the previous view's kept starts end at its last valid one,
+    which is at or after the shared start), so the previous view's buckets from there are the new
+    ones. Only a window of a few buckets past ``tail_at`` is read; segments whose chain does not
+    meet the old one there, or runs out of the window, are left to the caller.
+
+    Returns the segments done, where their new buckets end (relative: the meeting point, or the
+    segment's end when the chain reached it exactly), the previous view's bucket met (−1: none)
+    and the new buckets' first positions (absolute).
+    """
+    margin = _MEET_MARGIN * max(int(view.k_max), 1)
+    w_hi = np.minimum(seg_len, tail_at + margin)
+    w_len = w_hi - cut_at
+    w_start = np.cumsum(w_len) - w_len
+    w_end = w_start + w_len
+    wpos = _ranges(seg_pos + cut_at, w_len)
+    k = np.maximum(view.column_at("k", rows[wpos]), 1)
+    ends = _bucket_ends(k, int(k.max()))
+    to_end = w_hi == seg_len
+    old_end = old.seg_b[old_j + 1]
+    met_at = np.full(len(segs), -1, np.int64)
+    met_b = np.full(len(segs), -1, np.int64)
+    out_starts: list[I64] = []
+    owners: list[I64] = []
+    tail_abs = w_start + tail_at - cut_at  # where the shared users start (laid end to end)
+    cur = w_start.copy()
+    active = np.arange(len(segs), dtype=np.int64)
+    meeting: list[I64] = []
+    while len(active):  # up to the shared users: a plain walk
+        c = cur[active]
+        there = c >= tail_abs[active]
+        meeting.append(active[there])
+        active, c = active[~there], c[~there]
+        out_starts.append(c)
+        owners.append(active)
+        e = ends[c]
+        done = (e == w_end[active]) & to_end[active]  # the chain ends exactly at the segment's end
+        met_at[active[done]] = seg_len[active[done]]
+        go = e < w_end[active]
+        active = active[go]
+        cur[active] = e[go]
+    active = np.concatenate(meeting)
+    while len(active):  # among the shared users: until a start of the previous chain
+        p = cur[active] - w_start[active] + cut_at[active]  # relative to the segment
+        at_old = old.seg_pos[old_j[active]] + p - grew[active]
+        bi = np.minimum(np.searchsorted(old.bounds, at_old), len(old.bounds) - 1)
+        hit = (old.bounds[bi] == at_old) & (bi < old_end[active])
+        met_at[active[hit]] = p[hit]
+        met_b[active[hit]] = bi[hit]
+        active = active[~hit]
+        out_starts.append(cur[active])
+        owners.append(active)
+        e = ends[cur[active]]
+        done = (e == w_end[active]) & to_end[active]
+        met_at[active[done]] = seg_len[active[done]]
+        go = e < w_end[active]
+        active = active[go]
+        cur[active] = e[go]
+    met = met_at >= 0
+    starts = np.concatenate(out_starts) if out_starts else np.zeros(0, np.int64)
+    owner = np.concatenate(owners) if owners else np.zeros(0, np.int64)
+    keep = met[owner]
+    starts, owner = starts[keep], owner[keep]
+    absolute = starts - w_start[owner] + cut_at[owner] + seg_pos[owner]
+    return segs[met], met_at[met], met_b[met], absolute
 
 
 class _HilbertState:
@@ -799,11 +991,9 @@ class _HilbertState:
         if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
             hv_sorted = curve.hv
             curve_rows = cast(I64, curve.rows)  # int32 or int64: both index alike (members are made int64)
-            perm = order_ties(curve_rows, hv_sorted, partial(view.column_at, "salt"), view.seed)
-            if perm is None:
-                rows, lon_key_sorted, lat_key_sorted = curve_rows, curve.lon_key, curve.lat_key
-            else:
-                rows, lon_key_sorted, lat_key_sorted = curve_rows[perm], curve.lon_key[perm], curve.lat_key[perm]
+            ties = order_ties(curve_rows, hv_sorted, partial(view.column_at, "salt"), view.seed)
+            rows = apply_ties(curve_rows, ties)
+            lon_key_sorted, lat_key_sorted = apply_ties(curve.lon_key, ties), apply_ties(curve.lat_key, ties)
         else:
             shift = GRID_BITS - order
             hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
@@ -1293,6 +1483,7 @@ class HilbertCloak:
 __all__ = [
     "Buckets",
     "HilbertCloak",
+    "apply_ties",
     "bbox_areas_m2",
     "bboxes_around_keys",
     "cell_view",

@@ -350,3 +350,47 @@ def test_both_ways_of_counting_a_change_count_strictly_inside(
     assert sorted_way is not None and sorted_way.tolist() == want
     assert hilbert.count_change(hilbert.key_boxes(b), delta).tolist() == want
     assert hilbert.count_change_sorted(b, delta, -1) is None or not len(b) or not len(points)
+
+
+def segment_ends_kept(cloaker: Any, view: IndexView, counts: list[int]) -> int:
+    """:func:`hilbert_carried`, also adding up the segments that kept the buckets before their
+    first change (``counts[0]``) and after their last one (``counts[1]``)."""
+    buckets = cloaker.state(view).buckets
+    counts[0] += buckets.kept_heads
+    counts[1] += buckets.kept_tails
+    return hilbert_carried(cloaker, view)
+
+
+@pytest.mark.parametrize(
+    ("seed", "margin"),
+    [(1, 1), pytest.param(2, 4, marks=pytest.mark.slow), pytest.param(3, 1, marks=pytest.mark.slow)],
+)
+def test_moves_inside_long_segments_keep_both_ends(seed: int, margin: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense population (long segments) where a few users move per view, a few micro-degrees or
+    anywhere: segments are cut again only from their first change until the new chain meets the
+    previous one after their last change, and every user still gets what a view built from
+    nothing gives (stored profile and two overrides)."""
+    monkeypatch.setattr(hilbert, "_MEET_MARGIN", margin)  # 1: the chains meet closer to the last change
+    rng = np.random.default_rng(seed)
+    n = 1_500
+    lat = np.round(39.9 + rng.uniform(0, 1e-3, n), 6)
+    lon = np.round(116.4 + rng.uniform(0, 1e-3, n), 6)
+    first = [(f"u{i}", float(lat[i]), float(lon[i]), int(rng.integers(0, len(PROFILES)))) for i in range(n)]
+    steps: list[list[tuple[Any, ...]]] = []
+    for _ in range(3):
+        who = rng.choice(n, 3, replace=False)  # one moves a few micro-degrees, two anywhere
+        lat[who[:1]] = np.round(lat[who[:1]] + rng.integers(-3, 4, 1) * 1e-6, 6)
+        lon[who[:1]] = np.round(lon[who[:1]] + rng.integers(-3, 4, 1) * 1e-6, 6)
+        lat[who[1:]] = np.round(39.9 + rng.uniform(0, 1e-3, 2), 6)
+        lon[who[1:]] = np.round(116.4 + rng.uniform(0, 1e-3, 2), 6)
+        steps.append([("move", f"u{i}", float(lat[i]), float(lon[i])) for i in who.tolist()])
+    counts = [0, 0]
+    carried = run_steps(
+        first,
+        steps,
+        partial(HilbertCloak, segment_factor=4),
+        partial(segment_ends_kept, counts=counts),
+        reseed=seed != 2,
+    )
+    assert carried > 0
+    assert counts[0] > 0 and counts[1] > 0
