@@ -5,13 +5,29 @@ MQTT ``/`` becomes ``.`` and a ``.`` inside a level becomes ``//``."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import nats
 import pytest
+from nats.js.errors import ServiceUnavailableError
 
 from tests.cluster.conftest import NatsCluster, mqtt_publish
 
 pytestmark = pytest.mark.cluster
+
+
+async def _fetch_once_the_consumer_serves(sub: Any, n: int, within_s: float = 15.0) -> list[Any]:
+    """``fetch`` of a consumer just created with three replicas: until its leader is elected the pull
+    request has no responder (503), which says nothing about the subjects; that is retried, no more."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        try:
+            got: list[Any] = await sub.fetch(n, timeout=5)
+            return got
+        except ServiceUnavailableError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def test_mqtt_topic_levels_and_dots_map_to_subject_tokens(nats_cluster: NatsCluster) -> None:
@@ -23,7 +39,7 @@ async def test_mqtt_topic_levels_and_dots_map_to_subject_tokens(nats_cluster: Na
         await asyncio.to_thread(mqtt_publish, nats_cluster.nodes[1], messages, client_id="app-1")
 
         sub = await js.pull_subscribe("kcloak.v1.update.*", durable="intake")
-        got = await sub.fetch(2, timeout=5)
+        got = await _fetch_once_the_consumer_serves(sub, 2)
         assert {(m.subject, m.data) for m in got} == {
             ("kcloak.v1.update.alice//b", b"fix-alice"),
             ("kcloak.v1.update.bob", b"fix-bob"),
