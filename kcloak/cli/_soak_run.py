@@ -303,9 +303,10 @@ async def _traffic(
     ) as conn:
         await conn.subscribe(["kcloak/v1/answer/+"])
         task = asyncio.create_task(run_simulation(sim, observer=observer))
+        stopped = asyncio.create_task(run.stop.wait())
         try:
-            await _sample(run, observer, task, pid, data_dir, broker.http_port, t_begin, say)
-            if run.interrupted_at_s is None and not await _simulation_ended(run, task):
+            await _sample(run, observer, task, stopped, pid, data_dir, broker.http_port, t_begin, say)
+            if run.interrupted_at_s is None and not await _simulation_ended(run, task, stopped):
                 run.error = f"the simulated users had not finished {END_GRACE_S:g} s after the end of the traffic"
             if not task.done():
                 say("stopping the users, the broker and the LBS")
@@ -321,42 +322,21 @@ async def _traffic(
             with contextlib.suppress(BaseException):
                 await task
             raise
+        finally:
+            stopped.cancel()
         await asyncio.sleep(LATE_ANSWERS_S)
 
 
-async def _simulation_ended(run: SoakRun, task: asyncio.Task[SimulationSummary]) -> bool:
+async def _simulation_ended(run: SoakRun, task: asyncio.Task[SimulationSummary], stopped: asyncio.Task[Any]) -> bool:
     """Wait for the simulated users to finish after the last sample: False after :data:`END_GRACE_S`,
-    or at once when ``run.stop`` is set (``run.interrupted_at_s`` is then set too)."""
-    stopped = asyncio.create_task(run.stop.wait())
-    try:
-        await asyncio.wait([task, stopped], timeout=END_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
+    or at once when ``stopped`` is done (``run.interrupted_at_s`` is then set too)."""
+    await asyncio.wait([task, stopped], timeout=END_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
     if run.stop.is_set() and not task.done():
         run.interrupted_at_s = run.cfg.duration_s
     return task.done()
 
 
 async def _sample(
-    run: SoakRun,
-    observer: SoakObserver,
-    task: asyncio.Task[SimulationSummary],
-    pid: int,
-    data_dir: Path,
-    http_port: int,
-    t_begin: float,
-    say: Callable[[str], None],
-) -> None:
-    """Take a sample every ``sample_every_s`` from the first fix until ``duration_s``; stops early when
-    the simulation ends, the broker is gone (``run.error``) or ``run.stop`` is set (``run.interrupted_at_s``)."""
-    stopped = asyncio.create_task(run.stop.wait())
-    try:
-        await _sample_until(run, observer, task, stopped, pid, data_dir, http_port, t_begin, say)
-    finally:
-        stopped.cancel()
-
-
-async def _sample_until(
     run: SoakRun,
     observer: SoakObserver,
     task: asyncio.Task[SimulationSummary],
@@ -367,6 +347,9 @@ async def _sample_until(
     t_begin: float,
     say: Callable[[str], None],
 ) -> None:
+    """Take a sample every ``sample_every_s`` from the first fix until ``duration_s``; stops early when
+    the simulation ends, the broker is gone (``run.error``) or ``stopped`` (``run.stop`` was set) is done
+    (``run.interrupted_at_s``)."""
     cfg = run.cfg
     while observer.first_update_t is None:
         if task.done():
