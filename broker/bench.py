@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,15 +223,19 @@ def _wait_port(port: int, timeout: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_process(args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-I", "-m", "kcloak", "serve", *args, "--log-level", "warning"]
+def serve_process(
+    args: list[str], *, command: Sequence[str] = (), stop_timeout_s: float = 30.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``kcloak serve`` child (``command``: another program to run as it, e.g. another checkout's), stopped
+    with SIGTERM on exit and killed after ``stop_timeout_s``."""
+    cmd = [*(command or (sys.executable, "-I", "-m", "kcloak", "serve")), *args, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(stop_timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
 

@@ -150,26 +150,8 @@ def _broker(cfg: BrokerRssConfig, tmp: Path, upstream: str) -> Iterator[tuple[in
         "--max-update-age-s",
         "3600",
     ]
-    if cfg.serve_command:
-        import signal
-        import subprocess
-
-        proc = subprocess.Popen(
-            [*cfg.serve_command, *args, "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_healthy(port, timeout=60)
-            yield port, proc.pid
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        return
-    with serve_process(args) as proc:
+    stop_timeout_s = 60.0 if cfg.serve_command else 30.0  # another checkout's broker (side by side) gets 60 s to stop
+    with serve_process(args, command=cfg.serve_command, stop_timeout_s=stop_timeout_s) as proc:
         wait_healthy(port, timeout=60)
         yield port, proc.pid
 
