@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import BatchResult, CloakMode, CloakResult, Region
+from kcloak.cloaking.cloakers.base import CloakMode, CloakResult, Region
 from kcloak.cloaking.cloakers.interval import (
     KIND_CELL,
     KIND_HPAIR,
@@ -34,6 +34,7 @@ from kcloak.cloaking.cloakers.interval import (
     ST_K,
     UNSUPPORTED_L,
     WORLD_ROOT,
+    BatchJob,
     QuadtreeCarrier,
     QuadtreeCounts,
     Root,
@@ -59,7 +60,7 @@ from kcloak.cloaking.cloakers.interval import (
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import coordinate_key
-from kcloak.core.profile import PrivacyProfile, ProfileArrays, ReasonCode
+from kcloak.core.profile import PrivacyProfile, ReasonCode
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -429,14 +430,10 @@ class CasperCloak(QuadtreeCarrier):
             return fit_profile(view, region, profile)
         return region
 
-    def cloak_batch(self, view: IndexView, rows: I64, profiles: ProfileArrays) -> BatchResult:
-        """Vectorized :meth:`cloak`: level search and pair counts for all requests at once."""
-        rows = np.asarray(rows, dtype=np.int64)
-        out = BatchResult.empty(self.name, view.epoch, len(rows))
-        if len(rows) == 0:
-            return out
-        qt = self.counts(view)
-        live, pos, codes, gx, gy = batch_prologue(qt, view, out, rows, profiles, self.root)
+    def _batch_slice(self, job: BatchJob, idx: I64, p: I64) -> None:
+        """:meth:`cloak` for the requests ``idx`` of a slice (level search and pair counts on all at once)."""
+        view, qt, out, rows, profiles = job
+        live, pos, codes, gx, gy = batch_prologue(qt, view, out, rows, profiles, self.root, idx, p)
         k = profiles.k[live]
         a_min = profiles.min_area_m2[live]
         bottom = np.full(len(live), self._deepest, np.int64)
@@ -468,7 +465,6 @@ class CasperCloak(QuadtreeCarrier):
         )
         for i in small.tolist():
             out.set(i, self.cloak(view, int(rows[i]), profiles[i]))
-        return out
 
 
 # -- adaptive: the incremental pyramid ---------------------------------------------------------

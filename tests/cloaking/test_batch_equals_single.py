@@ -64,6 +64,19 @@ def streams(draw: st.DrawFn) -> tuple[Population, list[PrivacyProfile], list[tup
 @settings(PROPERTY_SETTINGS, max_examples=30)
 @given(case=streams())
 def test_batch_equals_single_on_long_streams(name: str, params: dict[str, Any], case: Any) -> None:
+    _check_stream(name, params, case, None)
+
+
+@pytest.mark.parametrize(("name", "params"), CONFIGS, ids=[f"{n}-{p}" for n, p in CONFIGS])
+@settings(PROPERTY_SETTINGS, max_examples=15)
+@given(case=streams(), size=st.integers(1, 9))
+def test_batch_in_small_slices_equals_single(name: str, params: dict[str, Any], case: Any, size: int) -> None:
+    """The batch works through the requests in slices of code order (4,096 by default, more than
+    these streams hold); slices of 1 to 9 requests put slice edges inside runs of equal answers."""
+    _check_stream(name, params, case, size)
+
+
+def _check_stream(name: str, params: dict[str, Any], case: Any, batch_slice: int | None) -> None:
     pop, stored, requests, seed = case
     ids = [f"u{i}" for i in range(len(pop.lat))]
     effective = [stored[q].tightened(ov) for q, ov in requests]
@@ -71,9 +84,10 @@ def test_batch_equals_single_on_long_streams(name: str, params: dict[str, Any], 
     view = _view(ids, pop, stored, seed)
     singles = [cloaker.cloak(view, q, eff) for (q, _), eff in zip(requests, effective, strict=True)]
     rows = np.asarray([q for q, _ in requests], dtype=np.int64)
-    batch = make_cloaker(name, **params).cloak_batch(
-        _view(ids, pop, stored, seed), rows, ProfileArrays.from_profiles(effective)
-    )
+    batcher = make_cloaker(name, **params)
+    if batch_slice is not None:
+        batcher.batch_slice = batch_slice
+    batch = batcher.cloak_batch(_view(ids, pop, stored, seed), rows, ProfileArrays.from_profiles(effective))
     failures = compare_batch(batch, singles, [ids[q] for q, _ in requests])
     assert not failures, "\n".join(map(str, failures[:10]))
     box_of_group: dict[int, tuple[int, ...]] = {}
