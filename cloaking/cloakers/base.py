@@ -90,6 +90,49 @@ class Refusal:
 
 CloakResult = Region | Refusal
 
+
+# -- fast construction on the hot paths ---------------------------------------------------------
+#
+# A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (a type lookup per
+# field) and ``BBox`` also validates its edges: about half the cost of building a published region
+# in a single call. These two write the same slots directly; the results are equal to (and
+# indistinguishable from) the dataclass constructors' (tests/cloaking/test_fast_regions.py).
+
+_new = object.__new__
+_SET_BBOX = tuple(BBox.__dict__[f].__set__ for f in ("min_lon_udeg", "min_lat_udeg", "max_lon_udeg", "max_lat_udeg"))
+_SET_REGION = tuple(
+    Region.__dict__[f].__set__
+    for f in ("bbox", "k_achieved", "area_m2", "algorithm", "epoch", "anon_set", "l_achieved", "t_start", "t_end")
+)
+
+
+def trusted_bbox(min_lon_udeg: int, min_lat_udeg: int, max_lon_udeg: int, max_lat_udeg: int) -> BBox:
+    """``BBox(...)`` without the validation, for edges the caller has proven ordered and within the world."""
+    b = _new(BBox)
+    s0, s1, s2, s3 = _SET_BBOX
+    s0(b, min_lon_udeg)
+    s1(b, min_lat_udeg)
+    s2(b, max_lon_udeg)
+    s3(b, max_lat_udeg)
+    return b
+
+
+def new_region(bbox: BBox, k_achieved: int, area_m2: float, algorithm: str, epoch: int, anon_set: I64) -> Region:
+    """``Region(bbox, k_achieved, area_m2, algorithm, epoch, anon_set)``, the same object, built faster."""
+    r = _new(Region)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = _SET_REGION
+    s0(r, bbox)
+    s1(r, k_achieved)
+    s2(r, area_m2)
+    s3(r, algorithm)
+    s4(r, epoch)
+    s5(r, anon_set)
+    s6(r, None)
+    s7(r, None)
+    s8(r, None)
+    return r
+
+
 # Status codes of BatchResult.status: 0 = ok, otherwise the index in this tuple.
 BATCH_CODES: tuple[ReasonCode | None, ...] = (
     None,

@@ -3,7 +3,7 @@
 ``basic`` is the paper's bottom-up algorithm on the complete pyramid of the micro-degree quadtree:
 from the querier's lowest cell upwards, return the first cell that holds ``k`` users with area ≥
 ``A_min``, or the first horizontal/vertical sibling pair that does. It is computed without the
-climb (see :func:`_casper_scalar`): a binary search finds the deepest level ``h*`` whose own cell
+climb (see :func:`_casper_region`): a binary search finds the deepest level ``h*`` whose own cell
 qualifies, and only the pairs one level below can beat that cell.
 
 ``adaptive`` serves each user from its leaf in Casper's incomplete pyramid (split a leaf iff one of
@@ -86,8 +86,10 @@ Tie = Literal["horizontal", "vertical"]
 # itself fails, every pair fails as well (pairs lie inside the root) and the climb refuses.
 
 
-def _casper_scalar(
+def _casper_region(
+    view: IndexView,
     qt: QuadtreeCounts,
+    algorithm: str,
     p: int,
     code: int,
     gx: int,
@@ -97,16 +99,17 @@ def _casper_scalar(
     root_level: int,
     bottom: int,
     tie_h: bool,
-) -> tuple[int, int, int, tuple[int, int, int, int]]:
-    """Casper's answer for one request whose code ``code`` sits at index ``p`` of ``qt.codes``.
+) -> Region:
+    """Casper's profile-free region for one request whose code ``code`` sits at index ``p`` of ``qt.codes``.
 
-    Returns ``(level, kind, prefix of the lower-left cell, code-index ranges of its users)``: one
-    range ``[i0, j0)``, or two for a vertical pair (``[i1, j1)`` is empty otherwise). The caller has
-    checked that the root holds ``k`` users and has area ≥ ``a_min``; ``bottom`` is the level the
-    climb starts from.
+    The querier's cell at ``h*`` or a sibling pair at ``h* + 1`` (see above), taken from the view's
+    memo of published regions or built (bbox, area, exact ``k_achieved``, the users by code ranges:
+    one range, or two for a vertical pair). The caller has checked that the root holds ``k`` users
+    and has area ≥ ``a_min``; ``bottom`` is the level the climb starts from.
     """
     codes = qt.codes
     h = deepest_level(qt, p, code, gx, gy, k, a_min, root_level, bottom)
+    i1 = j1 = 0
     if h < bottom:
         level = h + 1
         s = GRID_BITS - level
@@ -138,42 +141,49 @@ def _casper_scalar(
             sat_v = sat_v and cell_area_m2(level, cx, cy & ~1, cx, cy | 1) >= a_min
         # Prefer the pair closer to k; on a tie the configured direction (⚠ §4.3: horizontal).
         if sat_h and (not sat_v or n_hp < n_vp or (n_hp == n_vp and tie_h)):
+            kind = KIND_HPAIR
+            key = (((1 << (2 * level)) | ((code >> sh) & ~1)) << 2) | KIND_HPAIR
             r = q & 2  # the row's two children are adjacent in Morton order
-            return level, KIND_HPAIR, (code >> sh) & ~1, (b[r], b[r + 2], 0, 0)
-        if sat_v:
+            i0, j0 = b[r], b[r + 2]
+        elif sat_v:
+            kind = KIND_VPAIR
+            key = (((1 << (2 * level)) | ((code >> sh) & ~2)) << 2) | KIND_VPAIR
             c = q & 1  # the column's two children are not
-            return level, KIND_VPAIR, (code >> sh) & ~2, (b[c], b[c + 1], b[c + 2], b[c + 3])
-        return h, KIND_CELL, code >> (sh + 2), (b[0], b[4], 0, 0)  # the own cell at h* is the parent
-    sh = 2 * (GRID_BITS - h)
-    base = (code >> sh) << sh
-    return h, KIND_CELL, code >> sh, (run_start(codes, base, p), run_end(codes, base + (1 << sh), p), 0, 0)
-
-
-def _rect_region_of(
-    view: IndexView,
-    qt: QuadtreeCounts,
-    algorithm: str,
-    level: int,
-    kind: int,
-    gx: int,
-    gy: int,
-    ranges: tuple[int, int, int, int],
-) -> Region:
-    """The profile-free region of the querier's cell or sibling pair at ``level`` (users by code ranges)."""
-    s = GRID_BITS - level
-    cx = gx >> s
-    cy = gy >> s
-    i0, j0, i1, j1 = ranges
-    if kind == KIND_VPAIR:
-        rect = cell_rect_udeg(level, cx, cy & ~1, cx, cy | 1)
-        anon = np.concatenate((qt.members(i0, j0), qt.members(i1, j1)))
-    elif kind == KIND_HPAIR:
-        rect = cell_rect_udeg(level, cx & ~1, cy, cx | 1, cy)
-        anon = qt.members(i0, j0)
+            i0, j0, i1, j1 = b[c], b[c + 1], b[c + 2], b[c + 3]
+        else:  # the own cell at h* is the parent
+            level = h
+            kind = KIND_CELL
+            key = ((1 << (2 * h)) | (code >> (sh + 2))) << 2
+            i0, j0 = b[0], b[4]
+        region = qt.regions[algorithm].get(key)
+        if region is not None:
+            return region
     else:
-        rect = cell_rect_udeg(level, cx, cy, cx, cy)
+        level = h
+        kind = KIND_CELL
+        sh = 2 * (GRID_BITS - h)
+        key = ((1 << (2 * h)) | (code >> sh)) << 2
+        region = qt.regions[algorithm].get(key)
+        if region is not None:
+            return region
+        base = (code >> sh) << sh
+        i0, j0 = run_start(codes, base, p), run_end(codes, base + (1 << sh), p)
+    # Not published yet in this view: the rectangle's cells, its users, its region.
+    s = GRID_BITS - level
+    x0 = x1 = gx >> s
+    y0 = y1 = gy >> s
+    if kind == KIND_VPAIR:
+        y0 &= ~1
+        y1 |= 1
+        anon = np.concatenate((qt.members(i0, j0), qt.members(i1, j1)))
+    else:
+        if kind == KIND_HPAIR:
+            x0 &= ~1
+            x1 |= 1
         anon = qt.members(i0, j0)
-    return rect_region(view, qt, algorithm, rect, (j0 - i0) + (j1 - i1), anon)
+    rect = cell_rect_udeg(level, x0, y0, x1, y1)
+    region = qt.regions[algorithm][key] = rect_region(view, qt, algorithm, rect, (j0 - i0) + (j1 - i1), anon)
+    return region
 
 
 # -- the fast basic algorithm (vectorized) ----------------------------------------------------
@@ -208,7 +218,7 @@ def casper_arrays(
     bottom: I64,
     tie_h: bool,
 ) -> CasperArrays:
-    """Vectorized :func:`_casper_scalar` (requests already known to lie in a root holding ≥ k users;
+    """Vectorized :func:`_casper_region`'s choice (requests already known to lie in a root holding ≥ k users;
     ``p``: an index of each one's code in ``qt.codes_array``)."""
     m = len(codes)
     root_level = root[0]
@@ -418,14 +428,7 @@ class CasperCloak(QuadtreeCarrier):
         if self.variant == "adaptive" and k >= view.k[row] and a_min >= view.min_area_m2[row]:
             bottom = int(leaf_levels(view, self.root, bottom, self._tie_h)[row])
         p = pos[row]
-        level, kind, prefix, ranges = _casper_scalar(
-            qt, p, qt.codes[p], gx, gy, k, a_min, root_level, bottom, self._tie_h
-        )
-        key = (((1 << (2 * level)) | prefix) << 2) | kind  # group_id of the rectangle
-        memo = qt.regions[self.name]
-        region = memo.get(key)
-        if region is None:
-            region = memo[key] = _rect_region_of(view, qt, self.name, level, kind, gx, gy, ranges)
+        region = _casper_region(view, qt, self.name, p, qt.codes[p], gx, gy, k, a_min, root_level, bottom, self._tie_h)
         if region.area_m2 < a_min or region.area_m2 > profile.max_area_m2 or region.k_achieved < k:
             return fit_profile(view, region, profile)
         return region

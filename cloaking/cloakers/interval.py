@@ -20,7 +20,17 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kcloak.cloaking.cloakers.base import STATUS_OF, BatchResult, CloakMode, CloakResult, Region, finish_region, refuse
+from kcloak.cloaking.cloakers.base import (
+    STATUS_OF,
+    BatchResult,
+    CloakMode,
+    CloakResult,
+    Region,
+    finish_region,
+    new_region,
+    refuse,
+    trusted_bbox,
+)
 from kcloak.cloaking.grid import GRID_BITS, GRID_OFFSET, MAX_LEVEL, grid_coords, morton_codes
 from kcloak.cloaking.index import IndexView
 from kcloak.core.geometry import (
@@ -257,7 +267,7 @@ class QuadtreeCounts:
         self.root_counts: dict[Root, int] = {WORLD_ROOT: self.n}
         self.parent_bounds: dict[int, tuple[int, int, int, int, int]] = {}
         """Casper's memo of the code-index bounds of a cell's four children, keyed by the cell's
-        locational code (see :func:`kcloak.cloaking.cloakers.casper._casper_scalar`)."""
+        locational code (see :func:`kcloak.cloaking.cloakers.casper._casper_region`)."""
         self.regions: defaultdict[str, dict[int, Region]] = defaultdict(dict)
         """Memo of the regions already published, per algorithm, keyed by :func:`group_id` (they
         depend on the view and the rectangle only; the profile is applied by :func:`fit_profile`)."""
@@ -736,11 +746,12 @@ def rect_region(
     if touches_world_edge(lon0, lat0, lon1, lat1):
         bbox = rect_bbox(lon0, lat0, lon1, lat1)
         return Region(bbox, view.count_in(bbox), bbox.area_m2, algorithm, view.epoch, anon_set)
-    bbox = BBox(lon0 - 1, lat0 - 1, lon1, lat1)
+    # Away from the world edge the box's edges lie strictly inside the world and are ordered.
+    bbox = trusted_bbox(lon0 - 1, lat0 - 1, lon1, lat1)
     k_achieved = in_cells + qt.edge_extra(lon0, lat0, lon1, lat1)
     # bbox.area_m2 without its intermediate list (same operations, same float)
     area = bbox_area_m2((lon0 - 1) / UDEG_PER_DEG, (lat0 - 1) / UDEG_PER_DEG, lon1 / UDEG_PER_DEG, lat1 / UDEG_PER_DEG)
-    return Region(bbox, k_achieved, area, algorithm, view.epoch, anon_set)
+    return new_region(bbox, k_achieved, area, algorithm, view.epoch, anon_set)
 
 
 def fit_profile(view: IndexView, region: Region, profile: PrivacyProfile) -> CloakResult:
@@ -905,7 +916,9 @@ def deepest_level(
     a, b = wl, wr
     while a < b:  # first window whose left end is no farther (in bits) from the querier than its right end
         mid = (a + b) >> 1
-        if (code ^ codes[mid]).bit_length() <= (code ^ codes[mid + k1]).bit_length():
+        x = code ^ codes[mid]
+        y = code ^ codes[mid + k1]
+        if x & ~y <= y:  # bitlen(x) <= bitlen(y), without the two method calls
             b = mid
         else:
             a = mid + 1
