@@ -916,9 +916,7 @@ def deepest_level(
     a, b = wl, wr
     while a < b:  # first window whose left end is no farther (in bits) from the querier than its right end
         mid = (a + b) >> 1
-        x = code ^ codes[mid]
-        y = code ^ codes[mid + k1]
-        if x & ~y <= y:  # bitlen(x) <= bitlen(y), without the two method calls
+        if (code ^ codes[mid]).bit_length() <= (code ^ codes[mid + k1]).bit_length():
             b = mid
         else:
             a = mid + 1
@@ -1036,12 +1034,26 @@ def code_order_slices(qt: QuadtreeCounts, rows: I64, size: int = BATCH_SLICE) ->
     """The request indices of a batch in code order (ties by request index), with an index of each
     one's code in the sorted codes, in slices of ``size`` requests."""
     m = len(rows)
+    size = max(1, size)
     # Requests in code order: every later search then walks the sorted codes forwards (≈7× faster),
     # and requests answered by the same rectangle sit next to each other (see group_runs).
-    idx, p = _by_position(np.arange(m, dtype=np.int64), qt.positions()[rows], qt.n)
-    size = max(1, size)
+    key = qt.positions()[rows]
+    b = max(m - 1, 1).bit_length()
+    if max(qt.n - 1, 1).bit_length() + b > 62:  # combined keys would not fit an int64
+        idx = np.argsort(key, kind="stable")
+        key = key[idx]
+        for lo in range(0, m, size):
+            yield idx[lo : lo + size], key[lo : lo + size]
+        return
+    # One in-place sort of combined ``p · 2^b + request`` keys (about 3× faster than an argsort);
+    # request and position are split off per slice.
+    key <<= b
+    key |= np.arange(m, dtype=np.int64)
+    key.sort()
+    mask = (1 << b) - 1
     for lo in range(0, m, size):
-        yield idx[lo : lo + size], p[lo : lo + size]
+        part = key[lo : lo + size]
+        yield part & mask, part >> b
 
 
 def batch_prologue(
@@ -1080,17 +1092,6 @@ def batch_prologue(
     keep = np.flatnonzero(status == 0)
     p = p[keep]
     return idx[keep], p, qt.codes_array[p], gx[keep], gy[keep]
-
-
-def _by_position(live: I64, p: I64, n: int) -> tuple[I64, I64]:
-    """``live`` and ``p`` reordered by ascending ``p`` (ties by ``live``): one sort of combined
-    ``p · 2^b + request`` keys where they fit an int64 (about 3× faster than an argsort)."""
-    b = max(len(live) - 1, 1).bit_length()
-    if max(n - 1, 1).bit_length() + b > 62:
-        by_code = np.argsort(p, kind="stable")
-        return live[by_code], p[by_code]
-    key = np.sort((p << b) | np.arange(len(live), dtype=np.int64))
-    return live[key & ((1 << b) - 1)], key >> b
 
 
 # -- the cloaker -----------------------------------------------------------------------------
