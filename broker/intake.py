@@ -116,7 +116,7 @@ class FixIntake:
 
     def _settle(self, users: Iterable[str]) -> None:
         """Forget the pending times of ``users`` that the positions now hold (or that were refused)."""
-        pending, latest_t = self._pending_t, self.positions.latest_t
+        pending, latest_t = self._pending_t, self.positions.index.latest_t
         for user in users:
             t = pending.get(user)
             if t is not None and (applied := latest_t(user)) is not None and applied >= t:
@@ -137,7 +137,7 @@ class FixIntake:
         rows: list[tuple[str, float, float, float]] = []
         where: list[int] = []
         previous: dict[str, float | None] = {}
-        last_t, pending = self._last_t, self._pending_t
+        pending, applied_t = self._pending_t, self.positions.index.latest_t  # as _last_t, inlined: per fix
         buckets = self._update_buckets
         take, bucket_now = buckets.take, buckets.clock()
         add_row, add_where = rows.append, where.append
@@ -160,7 +160,9 @@ class FixIntake:
             if t < oldest:
                 codes[i] = ReasonCode.TOO_OLD
                 continue
-            last = last_t(user)
+            last = pending.get(user)
+            if last is None:
+                last = applied_t(user)
             if last is not None and t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
