@@ -30,6 +30,9 @@ import numpy as np
 HOT_MAX = 1 << 16
 """Users kept in the dict of recent lookups before it is emptied (at most ~9 MB)."""
 
+COMPACT_ABOVE = 1 << 20
+"""Bytes of removed ids kept in the buffer before a compaction is considered."""
+
 _EMPTY = -1
 _GONE = -2  # a removed entry: probing goes on past it
 
@@ -59,12 +62,15 @@ class FrozenIds:
 
 
 class UserRows:
-    """User id → row and row → user id (module docstring). ``hot_max``: size of the recent-users dict."""
+    """User id → row and row → user id (module docstring). ``hot_max``: size of the recent-users
+    dict; ``compact_above``: bytes of removed ids kept before the buffer is compacted (once they are
+    also half of it)."""
 
-    def __init__(self, *, hot_max: int = HOT_MAX) -> None:
+    def __init__(self, *, hot_max: int = HOT_MAX, compact_above: int = COMPACT_ABOVE) -> None:
         self.hot: dict[str, int] = {}
         """Users looked up or added lately → row (each also in the table); read it first."""
         self.hot_max = max(hot_max, 1)
+        self.compact_above = compact_above
         self._table = array("i", [_EMPTY]) * 16  # slot → row, _EMPTY or _GONE
         self._mask = 15
         self._filled = 0  # slots not _EMPTY
@@ -116,12 +122,6 @@ class UserRows:
         s = self._start[row]
         return self._buf[s : s + self._size[row]] == user.encode("utf-8", "surrogatepass")
 
-    def _keep(self, user: str, row: int) -> None:
-        hot = self.hot
-        if len(hot) >= self.hot_max:
-            hot.clear()
-        hot[user] = row
-
     def user(self, row: int) -> str:
         """The user of ``row`` (a row :meth:`add` gave and :meth:`remove` did not take back)."""
         s = self._start[row]
@@ -164,7 +164,10 @@ class UserRows:
             self._filled += 1
         table[slot] = row
         self._count += 1
-        self._keep(user, row)
+        hot = self.hot
+        if len(hot) >= self.hot_max:
+            hot.clear()
+        hot[user] = row
 
     def remove(self, user: str) -> int | None:
         """Forget ``user``; returns its row (None if not held)."""
@@ -182,7 +185,7 @@ class UserRows:
         self._count -= 1
         self.hot.pop(user, None)
         self._garbage += self._size[row]
-        if self._garbage > (1 << 20) and 2 * self._garbage > len(self._buf):
+        if self._garbage > self.compact_above and 2 * self._garbage >= len(self._buf):
             self._compact()
         return row
 
@@ -235,4 +238,4 @@ class UserRows:
         self._shared = False
 
 
-__all__ = ["HOT_MAX", "FrozenIds", "UserRows"]
+__all__ = ["COMPACT_ABOVE", "HOT_MAX", "FrozenIds", "UserRows"]
