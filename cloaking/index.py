@@ -23,7 +23,7 @@ import shapely
 
 from kcloak.cloaking.curve import CurveOrder, ViewCurve
 from kcloak.cloaking.grid import cell_code_range, cell_udeg, grid_coords, morton_codes
-from kcloak.cloaking.userrows import HOT_MAX, FrozenIds, UserRows
+from kcloak.cloaking.userrows import HOT_MAX, FrozenIds, UserIds, UserRows
 from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
@@ -281,6 +281,11 @@ class PositionIndex:
         row = self._users.get(user)
         return row is not None and bool(self._t[row] >= now - self.stale_after_s)
 
+    def present_count(self, now: float) -> int:
+        """Users present at ``now`` (``len(self.snapshot(now))`` without making a view)."""
+        n = self._n_rows
+        return int(np.count_nonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)))
+
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``).
 
@@ -536,8 +541,8 @@ class _IndexLookup:
         self.view_of = view_of
         self.removals = index._removals
 
-    def user_ids(self) -> list[str]:
-        return self.ids.users(self.rows.tolist())
+    def user_ids(self) -> UserIds:
+        return self.ids.of_rows(self.rows)
 
     def row(self, user: str) -> int | None:
         """The user's view row; raises LookupError when only the view's own map can tell."""
@@ -561,7 +566,7 @@ class IndexView:
     def __init__(
         self,
         *,
-        user_ids: list[str] | None,
+        user_ids: Sequence[str] | None,
         lat: F64 | None,
         lon: F64 | None,
         t: F64 | None,
@@ -708,8 +713,9 @@ class IndexView:
         return self._n
 
     @property
-    def user_ids(self) -> list[str]:
-        """User id of each view row (built on first use for a view of a :class:`PositionIndex`)."""
+    def user_ids(self) -> Sequence[str]:
+        """User id of each view row (for a view of a :class:`PositionIndex`, a sequence that makes
+        each id's string when it is read: no string per user held)."""
         if self._user_ids is None:
             assert self._lookup is not None
             self._user_ids = self._lookup.user_ids()

@@ -24,8 +24,11 @@ row that a frozen copy may read changes hands (copy on write).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 
 HOT_MAX = 1 << 16
 """Users kept in the dict of recent lookups before it is emptied (at most ~9 MB)."""
@@ -59,6 +62,38 @@ class FrozenIds:
     def users(self, rows: list[int]) -> list[str]:
         buf, start, size = bytes(self._buf), self._start, self._size
         return [buf[start[r] : start[r] + size[r]].decode("utf-8", "surrogatepass") for r in rows]
+
+    def of_rows(self, rows: npt.NDArray[np.int64]) -> UserIds:
+        """The ids of ``rows`` as a sequence that makes each string when it is read."""
+        return UserIds(self, rows)
+
+
+class UserIds(Sequence[str]):
+    """The ids of some rows, read one at a time (``ids[i]``: the id of ``rows[i]``) without a
+    string per user made in advance; iterating makes them all."""
+
+    __slots__ = ("_ids", "_rows")
+
+    def __init__(self, ids: FrozenIds, rows: npt.NDArray[np.int64]) -> None:
+        self._ids = ids
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return self._ids.users(self._rows[i].tolist())
+        return self._ids[self._rows.item(i)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids.users(self._rows.tolist()))
 
 
 class UserRows:
@@ -238,4 +273,4 @@ class UserRows:
         self._shared = False
 
 
-__all__ = ["COMPACT_ABOVE", "HOT_MAX", "FrozenIds", "UserRows"]
+__all__ = ["COMPACT_ABOVE", "HOT_MAX", "FrozenIds", "UserIds", "UserRows"]

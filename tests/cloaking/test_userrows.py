@@ -7,6 +7,7 @@ import string
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kcloak.cloaking.index import PositionIndex
 from kcloak.cloaking.userrows import UserRows
 
 CONTRACT_IDS = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -96,3 +97,32 @@ def test_growth_removal_and_re_add_at_scale() -> None:
     assert rows.get("u0000002") is None
     assert len(rows) == n
     assert all(before[i] == f"u{i:07d}" for i in range(n))  # a copy taken before still reads the old ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(CONTRACT_IDS, ANY_IDS), min_size=1, max_size=40, unique=True), st.data())
+def test_a_views_ids_round_trip_exactly_and_stay_as_at_the_snapshot(ids: list[str], data: st.DataObject) -> None:
+    index = PositionIndex(hot_users=2)
+    for i, user in enumerate(ids):
+        index.update(user, 39.9 + i * 1e-4, 116.4, 100.0)
+    view = index.snapshot(100.0)
+    by_row = sorted(ids, key=lambda u: view.row(u))  # type: ignore[arg-type,return-value]
+    assert list(view.user_ids) == by_row
+    assert [view.user_ids[i] for i in range(len(view))] == by_row
+    assert view.user_ids[1:3] == by_row[1:3]
+    assert len(view.user_ids) == len(ids)
+    gone = data.draw(st.lists(st.sampled_from(ids), unique=True))
+    for user in gone:  # rows handed back and taken by new users
+        index.remove(user)
+    arrivals = []
+    for j in range(len(gone)):
+        name = f"new{j}"
+        while name in ids:
+            name += "_"
+        arrivals.append(name)
+        index.update(name, 39.9, 116.4, 101.0)
+    assert list(view.user_ids) == by_row
+    assert all(view.row(u) == r for r, u in enumerate(by_row))
+    later = index.snapshot(101.0)
+    expected = sorted([u for u in ids if u not in gone] + arrivals)
+    assert sorted(later.user_ids) == expected
