@@ -43,6 +43,10 @@ class PositionReader(Protocol):
 
     def is_present(self, user: str, now: float) -> bool: ...
 
+    def present_count(self, now: float) -> int:
+        """Users present at ``now``, without making a view."""
+        ...
+
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView: ...
 
 
@@ -129,6 +133,9 @@ class Positions:
 
     def is_present(self, user: str, now: float) -> bool:
         return self.index.is_present(user, now)
+
+    def present_count(self, now: float) -> int:
+        return self.index.present_count(now)
 
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         return self.index.snapshot(now, epoch=epoch, seed=seed)

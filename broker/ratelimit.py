@@ -14,8 +14,9 @@ class TokenBuckets:
 
     A bucket is kept as one float, the time it is full again (with ``rate`` ≤ 0, which never
     refills: the tokens left), not as a (tokens, time) pair: a million users' buckets are a dict
-    entry and a float each. A bucket that is full is the same as none, and is forgotten when the
-    dict grows past :data:`PRUNE_ABOVE` keys.
+    entry and a float each. A bucket that is full is the same as none, and the full ones are
+    forgotten when the dict grows past :data:`PRUNE_ABOVE` keys, or twice the keys left by the
+    previous pruning if more (so that pruning stays O(1) a take however many buckets are not full).
     """
 
     def __init__(self, rate: float, burst: int, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -23,6 +24,7 @@ class TokenBuckets:
         self.burst = float(burst)
         self._clock = clock
         self._state: dict[str, float] = {}
+        self._prune_above = PRUNE_ABOVE
 
     def take(self, key: str, n: int = 1, *, now: float | None = None) -> bool:
         """Take ``n`` tokens from ``key``'s bucket if it holds them. ``now`` (the clock's time) lets
@@ -41,7 +43,7 @@ class TokenBuckets:
         if self.burst - (full_at - now) * rate < n:
             return False
         self._state[key] = full_at + n / rate
-        if len(self._state) > PRUNE_ABOVE:
+        if len(self._state) > self._prune_above:
             self._prune(now)
         return True
 
@@ -52,10 +54,12 @@ class TokenBuckets:
     def _prune(self, now: float) -> None:
         for key in [k for k, full_at in self._state.items() if full_at <= now]:
             del self._state[key]
+        self._prune_above = max(PRUNE_ABOVE, 2 * len(self._state))
 
 
-PRUNE_ABOVE = 200_000
-"""Buckets kept before the full ones are forgotten."""
+PRUNE_ABOVE = 1 << 15
+"""Buckets kept before the full ones are forgotten (each holds its user id: ~120 B with the
+dict entry; a million users who sent once are a million full buckets)."""
 
 
 class DedupWindow:

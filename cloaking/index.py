@@ -23,6 +23,7 @@ import shapely
 
 from kcloak.cloaking.curve import CurveOrder, ViewCurve
 from kcloak.cloaking.grid import cell_code_range, cell_udeg, grid_coords, morton_codes
+from kcloak.cloaking.userrows import HOT_MAX, FrozenIds, UserIds, UserRows
 from kcloak.core.geometry import (
     WORLD_LAT_UDEG,
     WORLD_LON_UDEG,
@@ -50,6 +51,8 @@ class PositionIndex:
         stale_after_s: a user is present while its fix is at most this old (default 60).
         capacity: initial number of rows (default 1024); the columns double when full.
         default_profile: stored-profile values for users that have none (default: contract).
+        hot_users: users whose row is kept in a dict for the fastest lookup (see
+            :class:`~kcloak.cloaking.userrows.UserRows`; default :data:`~kcloak.cloaking.userrows.HOT_MAX`).
     """
 
     def __init__(
@@ -58,11 +61,13 @@ class PositionIndex:
         stale_after_s: float = 60.0,
         capacity: int = 1024,
         default_profile: PrivacyProfile = _DEFAULT,
+        hot_users: int = HOT_MAX,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.default_profile = default_profile
-        self._row: dict[str, int] = {}
-        self._ids: list[str] = []  # "" in a freed row (never read: not alive)
+        self._users = UserRows(hot_max=hot_users)  # user ↔ row, without a str and an int per user
+        self._hot = self._users.hot  # users looked up lately → row: read first (a dict lookup)
+        self._n_rows = 0  # rows ever used (a freed row is reused before a new one is taken)
         self._free: list[int] = []
         self._lat: F64 = np.zeros(0)
         self._lon: F64 = np.zeros(0)
@@ -76,7 +81,6 @@ class PositionIndex:
         self._alloc(max(capacity, 16))
         self._rng = np.random.default_rng(secrets.randbits(64))
         self._removals = 0
-        self._ids_shared = False  # a view reads self._ids: copy it before changing a row's user
         self._curve = CurveOrder()
         # The journal (see _Journal): old values of the rows written since the latest snapshot.
         self._profiled: npt.NDArray[np.bool_] = np.zeros(len(self._lat), bool)  # profile logged since then
@@ -120,7 +124,7 @@ class PositionIndex:
         that each write costs nothing more)."""
         self._fixes_kept = True
         if self._journal.reads_fixes():
-            n = len(self._ids)
+            n = self._n_rows
             self._journal.fixes.append((self._curve.seq, np.array((self._lat[:n], self._lon[:n], self._t[:n]))))
 
     def _log_profile(self, row: int) -> None:
@@ -141,16 +145,17 @@ class PositionIndex:
             )
 
     def __len__(self) -> int:
-        return len(self._row)
+        return len(self._users)
 
     def __contains__(self, user: object) -> bool:
-        return user in self._row
+        return isinstance(user, str) and self._users.get(user) is not None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the numpy columns (the dict and id strings are extra)."""
+        """Bytes held by the numpy columns and the user ↔ row map (its dict of recent users aside)."""
         return int(
-            self._lat.nbytes
+            self._users.nbytes
+            + self._lat.nbytes
             + self._lon.nbytes
             + self._t.nbytes
             + self._alive.nbytes
@@ -165,14 +170,12 @@ class PositionIndex:
     def _new_row(self, user: str) -> int:
         if self._free:
             row = self._free.pop()
-            self._own_ids()
-            self._ids[row] = user
         else:
-            row = len(self._ids)
+            row = self._n_rows
             if row >= len(self._lat):
                 self._alloc(2 * len(self._lat))
-            self._ids.append(user)
-        self._row[user] = row
+            self._n_rows += 1
+        self._users.add(user, row)
         self._log_profile(row)
         self._alive[row] = True
         self._salt[row] = self._rng.integers(0, 2**63, dtype=np.uint64)
@@ -181,17 +184,13 @@ class PositionIndex:
         self._max_area[row] = self.default_profile.max_area_m2
         return row
 
-    def _own_ids(self) -> None:
-        """Copy the row → user list before changing an entry, if a view reads it (copy on write)."""
-        if self._ids_shared:
-            self._ids = list(self._ids)
-            self._ids_shared = False
-
     def update(self, user: str, lat: float, lon: float, t: float) -> int:
         """Set the latest fix of ``user`` (adds the user if new); returns the user's row. O(1)."""
-        row = self._row.get(user)
+        row = self._hot.get(user)
         if row is None:
-            row = self._new_row(user)
+            row = self._users.find(user)
+            if row is None:
+                row = self._new_row(user)
         if not self._fixes_kept:
             self._keep_fixes()
         self._lat[row] = lat
@@ -203,13 +202,14 @@ class PositionIndex:
     def update_batch(self, users: Sequence[str], lat: npt.ArrayLike, lon: npt.ArrayLike, t: npt.ArrayLike) -> I64:
         """Apply many fixes at once; for a user named twice the later item wins. Returns the row of
         each item's user (one entry per item)."""
-        get = self._row.get
+        get = self._hot.get
         rows = [get(u, -1) for u in users]
         if -1 in rows:
+            find = self._users.find
             for i, r in enumerate(rows):
                 if r == -1:
-                    r = self._row.get(users[i], -1)
-                    rows[i] = r if r != -1 else self._new_row(users[i])
+                    got = find(users[i])
+                    rows[i] = got if got is not None else self._new_row(users[i])
         idx = item_rows = np.asarray(rows, dtype=np.int64)
         lat_a = np.asarray(lat, dtype=np.float64)
         lon_a = np.asarray(lon, dtype=np.float64)
@@ -228,27 +228,27 @@ class PositionIndex:
 
     def row_of(self, user: str) -> int | None:
         """The user's row (stable for as long as the user is not removed), or None."""
-        return self._row.get(user)
+        return self._users.get(user)
 
     def latest_t(self, user: str) -> float | None:
         """``t`` of the user's latest fix, or None (no fix, or removed)."""
-        row = self._row.get(user)
+        row = self._hot.get(user)
         if row is None:
-            return None
+            row = self._users.find(user)
+            if row is None:
+                return None
         t: float = self._t.item(row)
         return None if t == -np.inf else t
 
     def user_ids(self) -> list[str]:
         """Every user the index holds (present or not)."""
-        return list(self._row)
+        return self._users.users()
 
     def remove(self, user: str) -> None:
         """Forget ``user`` entirely. O(1)."""
-        row = self._row.pop(user, None)
+        row = self._users.remove(user)
         if row is None:
             return
-        self._own_ids()
-        self._ids[row] = ""
         self._removals += 1
         if not self._fixes_kept:
             self._keep_fixes()
@@ -259,7 +259,7 @@ class PositionIndex:
 
     def set_profile(self, user: str, profile: PrivacyProfile | None) -> None:
         """Record the stored profile of ``user`` (``None``: the default) for group-based cloakers."""
-        row = self._row.get(user)
+        row = self._users.get(user)
         if row is None:
             row = self._new_row(user)
         p = profile if profile is not None else self.default_profile
@@ -272,14 +272,19 @@ class PositionIndex:
 
     def fix(self, user: str) -> tuple[float, float, float] | None:
         """``(lat, lon, t)`` of the user's latest fix, or ``None``."""
-        row = self._row.get(user)
+        row = self._users.get(user)
         if row is None or self._t[row] == -np.inf:
             return None
         return float(self._lat[row]), float(self._lon[row]), float(self._t[row])
 
     def is_present(self, user: str, now: float) -> bool:
-        row = self._row.get(user)
+        row = self._users.get(user)
         return row is not None and bool(self._t[row] >= now - self.stale_after_s)
+
+    def present_count(self, now: float) -> int:
+        """Users present at ``now`` (``len(self.snapshot(now))`` without making a view)."""
+        n = self._n_rows
+        return int(np.count_nonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)))
 
     def snapshot(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """An immutable view of the users present at ``now`` (fix ``t ≥ now − stale_after_s``).
@@ -291,7 +296,7 @@ class PositionIndex:
         the rows had at this snapshot (the index keeps the old values of the rows written since,
         for as long as a view may read them: :class:`_Journal`).
         """
-        n = len(self._ids)
+        n = self._n_rows
         present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
         kept = self._present_rows
         if kept is not None and len(kept[0]) == n and np.array_equal(kept[0], present):
@@ -315,7 +320,6 @@ class PositionIndex:
         self._profile_log = []
         self._profile_rows = array("q")
         step = self._curve.advance(self._lat[:n], self._lon[:n], present, touched, profile_rows)
-        self._ids_shared = True
         columns = _Columns(self, self._curve.seq, rows, present)
         self._journal.views.append(weakref.ref(columns))
         oldest = self._journal.prune()
@@ -329,7 +333,7 @@ class PositionIndex:
             now=now,
             epoch=epoch,
             seed=seed,
-            lookup=_IndexLookup(self, self._ids, rows, view_of),
+            lookup=_IndexLookup(self, self._users.frozen(), rows, view_of),
             columns=columns,
         )
         if len(rows) == n:  # view rows are index rows
@@ -386,11 +390,10 @@ class PositionIndex:
     def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
         own user list and map (the reference incremental views are measured and checked against)."""
-        n = len(self._ids)
+        n = self._n_rows
         rows = np.flatnonzero(self._alive[:n] & (self._t[:n] >= now - self.stale_after_s))
-        ids = self._ids
         return IndexView(
-            user_ids=[ids[r] for r in rows.tolist()],
+            user_ids=self._users.frozen().users(rows.tolist()),
             lat=self._lat[rows],
             lon=self._lon[rows],
             t=self._t[rows],
@@ -523,8 +526,7 @@ class _Columns:
 class _IndexLookup:
     """How a view taken from a :class:`PositionIndex` finds a user's row without a dict of its own.
 
-    ``ids`` is the index's row → user list at the snapshot (the index copies it before changing a
-    row's user, so the view's stays as it was), ``rows`` the view's index
+    ``ids`` is the index's row → user map as at the snapshot (:meth:`UserRows.frozen`), ``rows`` the view's index
     rows, ``view_of`` index row → view row (−1: not in the view). The index's own user → row map
     answers for as long as no user was removed from the index (rows are only reused after a
     removal); after one, the view builds its own map.
@@ -532,23 +534,22 @@ class _IndexLookup:
 
     __slots__ = ("ids", "index", "removals", "rows", "view_of")
 
-    def __init__(self, index: PositionIndex, ids: list[str], rows: I64, view_of: npt.NDArray[np.int32]) -> None:
+    def __init__(self, index: PositionIndex, ids: FrozenIds, rows: I64, view_of: npt.NDArray[np.int32]) -> None:
         self.index = index
         self.ids = ids
         self.rows = rows
         self.view_of = view_of
         self.removals = index._removals
 
-    def user_ids(self) -> list[str]:
-        ids = self.ids
-        return [ids[r] for r in self.rows.tolist()]
+    def user_ids(self) -> UserIds:
+        return self.ids.of_rows(self.rows)
 
     def row(self, user: str) -> int | None:
         """The user's view row; raises LookupError when only the view's own map can tell."""
-        r = self.index._row.get(user)
+        r = self.index._users.get(user)
         if r is not None and r < len(self.view_of):
             v = int(self.view_of[r])
-            if v >= 0 and self.ids[r] == user:
+            if v >= 0 and self.ids.is_user(r, user):
                 return v
         if self.index._removals != self.removals:
             raise LookupError(user)
@@ -565,7 +566,7 @@ class IndexView:
     def __init__(
         self,
         *,
-        user_ids: list[str] | None,
+        user_ids: Sequence[str] | None,
         lat: F64 | None,
         lon: F64 | None,
         t: F64 | None,
@@ -712,8 +713,9 @@ class IndexView:
         return self._n
 
     @property
-    def user_ids(self) -> list[str]:
-        """User id of each view row (built on first use for a view of a :class:`PositionIndex`)."""
+    def user_ids(self) -> Sequence[str]:
+        """User id of each view row (for a view of a :class:`PositionIndex`, a sequence that makes
+        each id's string when it is read: no string per user held)."""
         if self._user_ids is None:
             assert self._lookup is not None
             self._user_ids = self._lookup.user_ids()

@@ -16,7 +16,6 @@ from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
-from scipy.spatial import cKDTree
 
 from kcloak.core.geometry import EARTH_RADIUS_M, Aeqd, haversine_m_array
 from kcloak.core.readers import FixTable
@@ -346,6 +345,8 @@ def verify_k_delta(
     limit = delta_m + eps_m
     chord = 2.0 * EARTH_RADIUS_M * math.sin(min(limit / (2.0 * EARTH_RADIUS_M), math.pi / 2)) * (1 + 1e-9) + 1e-6
     cyl_radius = delta_m / 2.0 + eps_m + 1e-5 * delta_m  # AEQD transverse error ≈ ρ²/(6R²) (§2.1)
+    from scipy.spatial import cKDTree  # here, not at module level: a broker imports this module, ~30 MB idle
+
     for group in by_instants.values():
         if len(group) < k:
             failures += [(tr.traj_id, Violation.CLASS_SMALLER_THAN_K) for tr in group]

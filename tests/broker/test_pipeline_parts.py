@@ -264,3 +264,19 @@ async def test_micro_batching_follows_the_declared_capability(cls: type[_Countin
         await asyncio.gather(task, return_exceptions=True)
     assert all(isinstance(c, Cloaked) for c in out)
     assert cloaker.batches == (1 if cls.vectorized else 0)
+
+
+def test_the_present_count_is_the_number_of_users_a_view_holds() -> None:
+    """What housekeeping sets the presence gauge to: the users a snapshot at that instant would hold
+    (fresh, at the stale edge, stale, removed, re-added), counted by the test from its own record."""
+    index = PositionIndex(stale_after_s=60.0)
+    positions = Positions(index=index)
+    fixes = [(f"u{i:03d}", 1000.0 - 10 * i, 39.9, 116.4) for i in range(20)]  # t from 1000 down to 810
+    positions.apply(fixes)
+    index.remove("u001")
+    index.remove("u003")
+    positions.apply([("u003", 1001.0, 39.9, 116.4)])
+    record = {user: t for user, t, _, _ in fixes if user not in ("u001", "u003")} | {"u003": 1001.0}
+    for now in (1000.0, 1010.0, 1060.0, 1200.0):
+        expected = sum(1 for t in record.values() if t >= now - 60.0)
+        assert positions.present_count(now) == expected == len(positions.snapshot(now))

@@ -56,7 +56,31 @@ def test_full_buckets_are_forgotten_and_start_full_again(monkeypatch: pytest.Mon
         assert b.take(f"u{i}")
     assert b.take("ann") and b.take("ann") and b.take("ann") and not b.take("ann")
     clock.t += 1.5  # the u* buckets are full again; ann's is not (1.5 of 3 tokens)
-    assert b.take("new")  # past the bound: the full ones go
-    assert len(b._state) == 2
+    for i in range(12):  # past twice the keys the last pruning (at ann's first take) left: the full ones go
+        assert b.take(f"n{i}")
+    assert set(b._state) == {"ann", *(f"n{i}" for i in range(12))}
     assert b.take("ann") and not b.take("ann")  # ann kept its state: 1.5 tokens, one taken
     assert all(b.take("u1") for _ in range(3)) and not b.take("u1")  # a forgotten bucket is full
+
+
+def test_pruning_stays_cheap_when_few_buckets_are_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ratelimit, "PRUNE_ABOVE", 10)
+    clock = Clock()
+    b = TokenBuckets(rate=1.0, burst=3, clock=clock)
+    scans = 0
+    prune = b._prune
+
+    def counted(now: float) -> None:
+        nonlocal scans
+        scans += 1
+        prune(now)
+
+    monkeypatch.setattr(b, "_prune", counted)
+    for i in range(1000):  # none refills: every bucket is kept
+        assert b.take(f"u{i}")
+    assert len(b._state) == 1000
+    assert scans <= 10  # the bound doubles with what a pruning leaves, not one scan a take
+    clock.t += 10.0  # all full again: the next pruning forgets them
+    for i in range(2000):
+        b.take(f"v{i}")
+    assert not any(key.startswith("u") for key in b._state)

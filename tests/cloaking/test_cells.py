@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -180,7 +181,7 @@ def _requests(s: dict[str, Any]) -> list[PrivacyProfile]:
     return out
 
 
-def _outcome(res: Any, ids: list[str]) -> tuple[Any, ...]:
+def _outcome(res: Any, ids: Sequence[str]) -> tuple[Any, ...]:
     if isinstance(res, Refusal):
         return ("refused", res.reason)
     assert isinstance(res, Region)

@@ -9,7 +9,7 @@ curve, no carried state, a fresh cloaker) and compares what each user gets, as a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -84,7 +84,7 @@ def scenarios(draw: Any) -> tuple[int, list[tuple[Any, ...]], list[list[tuple[An
     return decimals, first, steps
 
 
-def outcome(res: Region | Refusal, ids: list[str]) -> tuple[Any, ...]:
+def outcome(res: Region | Refusal, ids: Sequence[str]) -> tuple[Any, ...]:
     """What a client reads of a result (bbox, k_achieved, area as JSON floats), plus who shares it."""
     if isinstance(res, Refusal):
         return ("refused", str(res.reason))

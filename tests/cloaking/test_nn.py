@@ -109,7 +109,7 @@ def _brute_group(view: IndexView, row: int, k: int) -> list[int]:
     others = np.array([r for r in range(len(view)) if r != row], np.int64)
     d = haversine_m_array(view.lat[row], view.lon[row], view.lat[others], view.lon[others])
     d_um = np.rint(d * 1e6).astype(np.int64).tolist()
-    ranked = sorted(range(len(others)), key=lambda i: (d_um[i], view.user_ids[others[i]]))
+    ranked = sorted(range(len(others)), key=lambda i: (d_um[i], view.user_ids[int(others[i])]))
     return sorted([row, *others[ranked[: k - 1]].tolist()])
 
 
