@@ -151,12 +151,22 @@ def window_start(t: float, window_s: int) -> int:
     return math.floor(t / window_s) * window_s
 
 
+LEDGER_CACHE_KIB = 64
+"""The window ledger's SQLite page cache, KiB (:class:`WindowLedger`)."""
+
+
 class WindowLedger:
-    """The ``windows`` table of ``movement.sqlite3`` on a connection of its own (thread-safe)."""
+    """The ``windows`` table of ``movement.sqlite3`` on a connection of its own (thread-safe).
+
+    Its reads are one-off: a window's fixes counted once when it is due, a few rows of ``windows``.
+    So its page cache is kept at :data:`LEDGER_CACHE_KIB`: with SQLite's default (2 MiB a
+    connection) the first count, over a window's part of the ``t`` index, left 2 MiB of pages no
+    later read needed in the broker's memory for good."""
 
     def __init__(self, path: Path, writer: GroupCommitWriter) -> None:
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.execute(f"PRAGMA cache_size=-{LEDGER_CACHE_KIB}")
         self._lock = threading.Lock()
         self._writer = writer  # writes go through the movement store's writer thread
 
@@ -349,24 +359,17 @@ def window_parts(window_id: str, report: dict[str, Any], table: FixTable, *, par
     n = len(table)
     per_part = max(1, min(part_rows, PART_ROWS))
     while True:
-        # Rows become Python objects one part at a time: a whole window's (millions) would stay
-        # in the broker's heap after it is sent.
+        # Rows become Python objects :data:`ROWS_AT_ONCE` at a time, each slice serialized before the
+        # next is made: a whole window's (millions) would stay in the broker's heap after it is sent,
+        # and even one part's 10,000 raised the broker's memory for good when the first window went.
         count = max(1, math.ceil(n / per_part))
         payloads: list[bytes] = []
         for n_part in range(count):
-            part = slice(n_part * per_part, (n_part + 1) * per_part)
-            rows = [
-                [i, int(t) if t.is_integer() else t, la, lo]
-                for i, t, la, lo in zip(
-                    table.traj_id[part].tolist(),
-                    table.t[part].tolist(),
-                    table.lat[part].tolist(),
-                    table.lon[part].tolist(),
-                    strict=True,
-                )
-            ]
-            body = {**head, "part": n_part + 1, "parts": count, "columns": list(COLUMNS), "rows": rows}
-            payloads.append(json.dumps(body, separators=(",", ":")).encode())
+            start, stop = n_part * per_part, min((n_part + 1) * per_part, n)
+            body = {**head, "part": n_part + 1, "parts": count, "columns": list(COLUMNS)}
+            text = json.dumps(body, separators=(",", ":"))[:-1]  # the same bytes as with "rows" in the dict
+            rows = ",".join(_rows_json(table, i, min(i + ROWS_AT_ONCE, stop)) for i in range(start, stop, ROWS_AT_ONCE))
+            payloads.append(f'{text},"rows":[{rows}]}}'.encode())
             if per_part > 1 and len(payloads[-1]) > PART_BYTES:
                 break
         else:
@@ -374,7 +377,27 @@ def window_parts(window_id: str, report: dict[str, Any], table: FixTable, *, par
         per_part = max(1, per_part // 2)
 
 
-def read_window_csv(path: Path, *, chunk: int = 20_000) -> FixTable:
+ROWS_AT_ONCE = 1_000
+"""Window rows held as Python objects at once while a window's files are read and its parts built."""
+
+
+def _rows_json(table: FixTable, start: int, stop: int) -> str:
+    """Rows ``start:stop`` of ``table`` as the JSON of a part's ``rows``, without the brackets."""
+    part = slice(start, stop)
+    rows = [
+        [i, int(t) if t.is_integer() else t, la, lo]
+        for i, t, la, lo in zip(
+            table.traj_id[part].tolist(),
+            table.t[part].tolist(),
+            table.lat[part].tolist(),
+            table.lon[part].tolist(),
+            strict=True,
+        )
+    ]
+    return json.dumps(rows, separators=(",", ":"))[1:-1]
+
+
+def read_window_csv(path: Path, *, chunk: int = ROWS_AT_ONCE) -> FixTable:
     """A window's CSV as written by :func:`~kcloak.core.readers.write_contract_csv` (``traj_id,t,lat,lon``,
     no bad row), ``chunk`` rows at a time into numpy columns: the general reader keeps every field of
     every row as text until it has read them all (about 400 bytes a row in the broker's heap)."""

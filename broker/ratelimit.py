@@ -66,50 +66,74 @@ class DedupWindow:
     """Remembers ``(user, query_id)`` for ``window_s``; a repeat inside the window is a duplicate.
 
     It holds every query of the window (600 s by default: at 5,000 queries/s, 3 million), so it
-    keeps each as a 64-bit keyed hash of the pair and the time it was first seen, 16 bytes, not
-    the pair itself (about 290 bytes as a dict entry of strings: 33 MiB at 200 queries/s, which
-    ``kcloak bench soak`` saw as resident memory growing for the first ten minutes). The hash
-    is Python's ``hash`` of the pair, SipHash keyed at random per process, so a client can
-    neither predict nor provoke a collision; two different pairs share a hash with probability
-    about n²/2⁶⁵ per window (n = pairs in it: 10⁻⁷ at 3 million), and the later one would then be
-    taken for a duplicate. The pairs of the last ``window_s``/60 seconds sit in a dict; then they
-    are merged into two sorted arrays (hashes, times), from which expired pairs are dropped then.
+    keeps each as a 64-bit keyed hash of the pair (8 bytes) and the millisecond it was first seen
+    (4 bytes, counted from a base moved forward as time goes on), **12 bytes**, not the pair itself
+    (about 290 bytes as a dict entry of strings: 33 MiB at 200 queries/s, which ``kcloak bench
+    soak`` saw as resident memory growing for the first ten minutes). The hash is Python's ``hash``
+    of the pair, SipHash keyed at random per process, so a client can neither predict nor provoke a
+    collision; two different pairs share a hash with probability about n²/2⁶⁵ per window (n =
+    pairs in it: 10⁻⁷ at 3 million), and the later one would then be taken for a duplicate.
+
+    Times are the clock rounded to the millisecond: a pair is a duplicate while at most
+    ``window_s`` (in whole milliseconds) has passed since it was first seen, and new again after.
+    The pairs of the last ``window_s``/60 seconds sit in a dict; then they are merged into two
+    sorted arrays (hashes, times), from which expired pairs are dropped then.
     """
 
     def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
-        self._merge_every = max(window_s / 60.0, 0.001)
-        self._recent: dict[int, float] = {}
-        self._merged_at = clock()
+        self._window_ms = round(window_s * 1000)
+        if not 0 <= self._window_ms <= _REBASE_AFTER_MS:
+            raise ValueError(f"dedup window of {window_s} s: 0 to {_REBASE_AFTER_MS // 1000} s")
+        self._merge_every_ms = max(self._window_ms // 60, 1)
+        self._recent: dict[int, int] = {}
+        self._merged_ms = self._base_ms = round(clock() * 1000)
         self._keys: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
-        self._times: npt.NDArray[np.float64] = np.empty(0, dtype=np.float64)
+        self._times: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)  # ms after ``_base_ms``
 
     def __len__(self) -> int:
         """Pairs remembered (expired ones included until the next merge)."""
         return len(self._recent) + int(self._keys.size)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the merged arrays (the pairs of the last merge period, in the dict, apart)."""
+        return int(self._keys.nbytes + self._times.nbytes)
+
     def first_time(self, user: str, query_id: str) -> bool:
         """True (and remembered) the first time; False for a duplicate."""
-        now = self._clock()
-        if now - self._merged_at >= self._merge_every:
+        now = round(self._clock() * 1000)
+        if now - self._merged_ms >= self._merge_every_ms:
             self._merge(now)
         key = hash((user, query_id)) & _MASK64
         seen = self._recent.get(key)
-        if seen is not None and now - seen <= self.window_s:
+        if seen is not None and now - seen <= self._window_ms:
             return False
         i = int(np.searchsorted(self._keys, np.uint64(key)))
-        if i < self._keys.size and int(self._keys[i]) == key and now - float(self._times[i]) <= self.window_s:
+        if (
+            i < self._keys.size
+            and int(self._keys[i]) == key
+            and now - self._base_ms - int(self._times[i]) <= self._window_ms
+        ):
             return False
         self._recent[key] = now
         return True
 
-    def _merge(self, now: float) -> None:
-        live = now - self._times <= self.window_s
-        keys, times = self._keys[live], self._times[live]
-        if self._recent:
-            new_keys = np.fromiter(self._recent.keys(), dtype=np.uint64, count=len(self._recent))
-            new_times = np.fromiter(self._recent.values(), dtype=np.float64, count=len(self._recent))
+    def _merge(self, now: int) -> None:
+        # Only pairs seen within the window stay; their times are kept as ``uint32`` ms after a
+        # base, which is moved up to the window's start once it falls more than 2³⁰ ms behind it.
+        oldest = now - self._window_ms
+        seen = self._times.astype(np.int64) + self._base_ms
+        live = seen >= oldest
+        keys = self._keys[live]
+        if oldest - self._base_ms > _REBASE_AFTER_MS:
+            self._base_ms = oldest
+        times = (seen[live] - self._base_ms).astype(np.uint32)
+        recent = {k: t for k, t in self._recent.items() if t >= oldest}  # all, unless the clock jumped
+        if recent:
+            new_keys = np.fromiter(recent.keys(), dtype=np.uint64, count=len(recent))
+            new_times = np.fromiter((t - self._base_ms for t in recent.values()), dtype=np.uint32, count=len(recent))
             order = np.argsort(new_keys)
             new_keys, new_times = new_keys[order], new_times[order]
             # A key of the dict was in the arrays only expired (else it was a duplicate): dropped above.
@@ -117,7 +141,9 @@ class DedupWindow:
             keys, times = np.insert(keys, at, new_keys), np.insert(times, at, new_times)
         self._keys, self._times = keys, times
         self._recent = {}
-        self._merged_at = now
+        self._merged_ms = now
 
 
 _MASK64 = (1 << 64) - 1
+_REBASE_AFTER_MS = 1 << 30
+"""How far the time base may fall behind the window before it is moved (times are ``uint32`` ms)."""

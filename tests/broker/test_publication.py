@@ -269,6 +269,8 @@ from kcloak.broker.config import Config
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import MovementStore
+from kcloak.broker.memory import tune_allocator
+from kcloak.core.memory import release_free_memory
 
 def rss_anon_kib():
     for line in open("/proc/self/status"):
@@ -276,11 +278,17 @@ def rss_anon_kib():
             return int(line.split()[1])
 
 async def main(d):
+    tune_allocator()  # as kcloak serve does at start
+    sent = []
+
+    async def send(topic, payload):  # the window's parts are built in this process, then dropped
+        sent.append(len(payload))
+
     t0 = 1_800_000_000
     now = [t0]
     store = MovementStore(d / "movement.sqlite3")
     config = Config().with_values({"publish.window_s": 900, "cloaking.max_update_age_s": 120.0})
-    pub = WindowPublisher(config=config, movement=store, directory=d / "published", send=None,
+    pub = WindowPublisher(config=config, movement=store, directory=d / "published", send=send,
                           metrics=Metrics(version="test", algorithm="hilbert"), clock=lambda: now[0])
     rnd = random.Random(1)
     for s in range(240):  # 2,000 users, a fix a second for 4 minutes
@@ -288,14 +296,16 @@ async def main(d):
                             for u in range(2000)])
     await store.writer.barrier()
     gc.collect()
+    release_free_memory()  # as the broker's periodic trim does
     before = rss_anon_kib()
     now[0] = t0 + 900 + 121
     done = await pub.step()
     gc.collect()
+    release_free_memory()
     after = rss_anon_kib()
     pub.close()
     store.close()
-    print(json.dumps({"done": done, "before_kib": before, "after_kib": after}))
+    print(json.dumps({"done": done, "parts": len(sent), "before_kib": before, "after_kib": after}))
 
 if __name__ == "__main__":
     asyncio.run(main(Path(sys.argv[1])))
@@ -303,9 +313,11 @@ if __name__ == "__main__":
 
 
 def test_a_large_window_leaves_the_publisher_s_process_as_it_found_it(tmp_path: Path) -> None:
-    """480,000 fixes (2,000 users, 4 minutes) published from a process of its own, measured from its
-    ``/proc/self/status``: the publishing process's anonymous memory grows by a few MiB at most (it grew
-    by about 70 MiB when the window was read and anonymized there)."""
+    """480,000 fixes (2,000 users, 4 minutes) published and sent from a process of its own with the
+    broker's allocator settings, measured from its ``/proc/self/status``: the publishing process's
+    anonymous memory grows by less than 1 MiB (it grew by about 70 MiB when the window was read and
+    anonymized there; by 2.4 MiB while the window ledger's page cache kept the pages of the window's
+    count; by 2 MiB more when its parts were built from 20,000 rows read and 10,000 made at once)."""
     import subprocess
     import sys
 
@@ -316,10 +328,10 @@ def test_a_large_window_leaves_the_publisher_s_process_as_it_found_it(tmp_path: 
     out = subprocess.run([sys.executable, str(script), str(data)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["done"] == ["1800000000-1800000900"]
+    assert result["done"] == ["1800000000-1800000900"] and result["parts"] >= 1
     report = json.loads((data / "published" / "1800000000-1800000900.json").read_text())
     assert report["n_in"] == 2000 and report["status"] == "published"
-    assert result["after_kib"] - result["before_kib"] < 16 * 1024, result
+    assert result["after_kib"] - result["before_kib"] < 1024, result
 
 
 async def test_closing_abandons_a_window_still_being_anonymized(tmp_path: Path) -> None:
