@@ -391,7 +391,8 @@ class PositionIndex:
         if present.all():
             lo, hi = float(col.min()), float(col.max())
         else:
-            top, bottom = (np.inf, -np.inf) if col.dtype.kind == "f" else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
+            f = col.dtype.kind == "f"
+            top, bottom = (np.inf, -np.inf) if f else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
             lo, hi = float(np.min(col, where=present, initial=top)), float(np.max(col, where=present, initial=bottom))
         if self._present_rows is not None and present is self._present_rows[0]:
             self._ranges[name] = (present, lo, hi)
@@ -507,13 +508,15 @@ class _Journal:
 class _Columns:
     """Where a view of a :class:`PositionIndex` reads its columns from, on first use."""
 
-    __slots__ = ("__weakref__", "index", "pending", "present", "rows", "seq")
+    __slots__ = ("__weakref__", "everyone", "index", "pending", "present", "rows", "seq")
 
     def __init__(self, index: PositionIndex, seq: int, rows: I64, present: npt.NDArray[np.bool_]) -> None:
         self.index: PositionIndex | None = index
         self.seq = seq
         self.rows = rows
         self.present = present
+        self.everyone = len(rows) == len(present)
+        """Every index row is present: view rows are index rows."""
         self.pending = {*_COLUMN, "lon_key", "lat_key"}
 
     def gather(self, name: str) -> npt.NDArray[Any]:
@@ -528,7 +531,7 @@ class _Columns:
 
     def gather_at(self, name: str, view_rows: I64) -> npt.NDArray[Any]:
         assert self.index is not None
-        return self.index._gather(name, self.seq, self.rows[view_rows], False)
+        return self.index._gather(name, self.seq, view_rows if self.everyone else self.rows[view_rows], False)
 
     def profile_range(self, name: str) -> tuple[float, float] | None:
         return None if self.index is None else self.index._profile_range(name, self.seq, self.present)

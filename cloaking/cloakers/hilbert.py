@@ -56,6 +56,8 @@ if TYPE_CHECKING:  # cells imports this module (hilbert_indices): the map is onl
     from kcloak.cloaking.cells import CellMap
 
 I64 = npt.NDArray[np.int64]
+Keys = npt.NDArray[np.int64] | npt.NDArray[np.int32]
+"""Exact coordinate keys (int32 in the kept Hilbert order, int64 in a view\'s columns)."""
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 
@@ -361,8 +363,8 @@ def super_bucket_levels(sizes: npt.ArrayLike, k: int) -> I64:
 
 def cover_counts(
     hv_sorted: I64,
-    lon_key_sorted: I64,
-    lat_key_sorted: I64,
+    lon_key_sorted: Keys,
+    lat_key_sorted: Keys,
     boxes: npt.ArrayLike,
     *,
     order: int = GRID_BITS,
@@ -468,13 +470,17 @@ without shapely boxes; above, :func:`count_change` does with an STR-tree."""
 
 
 _CHANGE_BANDS = 256
-"""Latitude bands :func:`count_change_sorted` sorts the changed points into."""
+"""Latitude bands :func:`count_change_sorted` sorts the changed points into …"""
+_CHANGE_BINS = 1024
+"""… and longitude bins in each band."""
 
 
 def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
-    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by latitude band,
-    then longitude key: each box's candidates are one slice per band it overlaps, tested on
-    latitude. None when there are more than ``limit`` candidates (a large change)."""
+    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted into a grid of
+    latitude bands × longitude bins: each box's candidates are one run of points per band it
+    overlaps (the bins its longitude range touches, found in a table of where each grid cell's
+    points start), tested on both keys. None when there are more than ``limit`` candidates (a
+    large change)."""
     m = len(boxes)
     n_added = len(delta.added_lon_key)
     lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key])
@@ -484,25 +490,29 @@ def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
     lat0 = int(lat.min())
     lon0 = int(lon.min())
     height = (int(lat.max()) - lat0) // _CHANGE_BANDS + 1
-    width = int(lon.max()) - lon0 + 2  # one more than any point's offset: a band's end
-    key = (lat - lat0) // height * width + (lon - lon0)
-    order = np.argsort(key, kind="stable")
-    key, lat = key[order], lat[order]
+    width = (int(lon.max()) - lon0) // _CHANGE_BINS + 1
+    cell = (lat - lat0) // height * _CHANGE_BINS + (lon - lon0) // width
+    order = np.argsort(cell, kind="stable")
+    lat, lon = lat[order], lon[order]
     sign = np.where(order < n_added, 1, -1)
+    first = np.zeros(_CHANGE_BANDS * _CHANGE_BINS + 1, np.int64)  # where each cell's points start
+    np.cumsum(np.bincount(cell, minlength=_CHANGE_BANDS * _CHANGE_BINS), out=first[1:])
     kb = key_bounds_array(boxes)
     b0 = np.maximum((kb[:, 1] - lat0) // height, 0)
-    span = np.maximum(np.minimum((kb[:, 3] - lat0) // height, _CHANGE_BANDS) - b0 + 1, 0)
+    span = np.maximum(np.minimum((kb[:, 3] - lat0) // height, _CHANGE_BANDS - 1) - b0 + 1, 0)
     box = np.repeat(np.arange(m), span)
-    band = _ranges(b0, span) * width
-    lo = np.searchsorted(key, band + np.clip(kb[box, 0] - lon0, 0, width - 1), "left")
-    hi = np.searchsorted(key, band + np.clip(kb[box, 2] - lon0, -1, width - 1), "right")
-    length = np.maximum(hi - lo, 0)
+    band = _ranges(b0, span) * _CHANGE_BINS
+    x0 = np.clip((kb[box, 0] - lon0) // width, 0, _CHANGE_BINS - 1)
+    x1 = np.clip((kb[box, 2] - lon0) // width, -1, _CHANGE_BINS - 1)
+    lo = first[band + x0]
+    length = np.maximum(first[band + x1 + 1] - lo, 0)
     total = int(length.sum())
     if total > limit:
         return None
     owner = np.repeat(box, length)
     at = _ranges(lo, length)
     inside = (lat[at] >= kb[owner, 1]) & (lat[at] <= kb[owner, 3])
+    inside &= (lon[at] >= kb[owner, 0]) & (lon[at] <= kb[owner, 2])
     out: I64 = np.bincount(owner[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
     return out
 
@@ -695,7 +705,7 @@ class _BucketCarry:
         return hv, remap
 
 
-def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, bounds: I64) -> tuple[F64, F64, I64]:
+def _bucket_columns(view: IndexView, rows: I64, lon_key: Keys, lat_key: Keys, bounds: I64) -> tuple[F64, F64, I64]:
     """Largest stored A_min, smallest max area and MBR of each bucket of ``rows`` (curve order; the
     whole view's or, when few, only those rows' profile values are read)."""
     if len(bounds) < 2:
@@ -704,14 +714,14 @@ def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, boun
     amax = _per_bucket(np.minimum, view, "max_area_m2", rows, bounds)
     lon0, lon1 = group_extents(lon_key, bounds)
     lat0, lat1 = group_extents(lat_key, bounds)
-    return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1)
+    return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1).astype(np.int64)  # keys may be int32
 
 
 def segment_buckets(
     view: IndexView,
     rows: I64,
     hv_sorted: I64,
-    keys_sorted: tuple[I64, I64],
+    keys_sorted: tuple[Keys, Keys],
     order: int,
     factor: int,
     prev: _BucketCarry | None = None,
@@ -1006,6 +1016,8 @@ class _HilbertState:
         n = len(view)
         self.n = n
         curve = view.curve if order == GRID_BITS and view_rows is None else None
+        lon_key_sorted: Keys
+        lat_key_sorted: Keys
         if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
             hv_sorted = curve.hv
             curve_rows = cast(I64, curve.rows)  # int32 or int64: both index alike (members are made int64)

@@ -327,13 +327,17 @@ def test_bucket_ends_with_many_levels_follow_the_rule() -> None:
 @given(
     st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 8), st.integers(0, 8)), max_size=30),
     st.lists(st.tuples(st.integers(-2, 80), st.integers(-2, 80), st.booleans()), max_size=40),
+    st.sampled_from([1, 1, 37, 4099]),
+    st.integers(-2, 2),
 )
 def test_both_ways_of_counting_a_change_count_strictly_inside(
-    boxes: list[tuple[int, int, int, int]], points: list[tuple[int, int, bool]]
+    boxes: list[tuple[int, int, int, int]], points: list[tuple[int, int, bool]], scale: int, jitter: int
 ) -> None:
     """Points given by exact keys (2·µdeg on a micro-degree, odd between), boxes in micro-degrees:
-    a point counts for a box when strictly inside it (keys strictly between twice the edges)."""
-    b = np.array([(x, y, x + w, y + h) for x, y, w, h in boxes], np.int64).reshape(-1, 4)
+    a point counts for a box when strictly inside it (keys strictly between twice the edges).
+    ``scale`` spreads boxes and points over many more keys than the counting grid has cells."""
+    b = np.array([(x, y, x + w, y + h) for x, y, w, h in boxes], np.int64).reshape(-1, 4) * scale
+    points = [(lo * scale + jitter * (lo % 3), la * scale + jitter * (la % 2), e) for lo, la, e in points]
     added = [(lo, la) for lo, la, entered in points if entered]
     left = [(lo, la) for lo, la, entered in points if not entered]
 
@@ -350,6 +354,26 @@ def test_both_ways_of_counting_a_change_count_strictly_inside(
     assert sorted_way is not None and sorted_way.tolist() == want
     assert hilbert.count_change(hilbert.key_boxes(b), delta).tolist() == want
     assert hilbert.count_change_sorted(b, delta, -1) is None or not len(b) or not len(points)
+
+
+def test_points_on_or_beside_box_edges_over_a_wide_area_count_exactly() -> None:
+    """Boxes far apart (so that one cell of the counting grid spans many keys) with points on their
+    edges, half a micro-degree inside and outside: only the points strictly inside count."""
+    boxes = np.array([(0, 0, 10, 10), (200_000, 300_000, 200_003, 300_005), (-50_000, 90_000, -49_990, 90_001)])
+    pts = []
+    for x0, y0, x1, y1 in boxes.tolist():
+        for lo in (2 * x0 - 1, 2 * x0, 2 * x0 + 1, x0 + x1, 2 * x1 - 1, 2 * x1, 2 * x1 + 1):
+            for la in (2 * y0 - 1, 2 * y0, 2 * y0 + 1, y0 + y1, 2 * y1 - 1, 2 * y1, 2 * y1 + 1):
+                pts.append((lo, la))
+    lon = np.array([p[0] for p in pts], np.int64)
+    lat = np.array([p[1] for p in pts], np.int64)
+    none = np.zeros(0, np.int64)
+    want = [sum(2 * x0 < lo < 2 * x1 and 2 * y0 < la < 2 * y1 for lo, la in pts) for x0, y0, x1, y1 in boxes.tolist()]
+    assert want == [9, 9, 9]
+    got = hilbert.count_change_sorted(boxes, ViewDelta(1, 1, none, none, lon, lat), 1 << 20)
+    assert got is not None and got.tolist() == want
+    got = hilbert.count_change_sorted(boxes, ViewDelta(1, 1, lon, lat, none, none), 1 << 20)
+    assert got is not None and got.tolist() == [-w for w in want]
 
 
 def segment_ends_kept(cloaker: Any, view: IndexView, counts: list[int]) -> int:
