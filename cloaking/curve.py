@@ -133,8 +133,8 @@ class CurveStep:
     hv: I64
     lon_key: I64
     lat_key: I64
-    sorted_lon_key: I64
-    sorted_lat_key: I64
+    sorted_lon_key: I32
+    sorted_lat_key: I32
     recent: tuple[ViewDelta, ...]
 
 
@@ -146,8 +146,8 @@ class ViewCurve:
 
     rows: I64 | I32
     hv: I64
-    lon_key: I64
-    lat_key: I64
+    lon_key: I32
+    lat_key: I32
     recent: tuple[ViewDelta, ...]
 
     @property
@@ -192,8 +192,8 @@ class CurveOrder:
         self._hv: I64 = np.zeros(0, np.int64)
         self._rows: I32 = np.zeros(0, np.int32)  # index rows in Hilbert order (int32: 4 B/user)
         self._hv_sorted: I64 = np.zeros(0, np.int64)
-        self._lk_sorted: I64 = np.zeros(0, np.int64)
-        self._tk_sorted: I64 = np.zeros(0, np.int64)
+        self._lk_sorted: I32 = np.zeros(0, np.int32)  # exact keys fit in int32 (|key| < 7.3e8)
+        self._tk_sorted: I32 = np.zeros(0, np.int32)
         self._recent: deque[ViewDelta] = deque(maxlen=self.KEEP_DELTAS)
         self.key_undo: list[tuple[int, I64, I64, I64]] = []
         """``(seq, rows, lon keys, lat keys)``: the keys those index rows had at snapshot ``seq``,
@@ -264,13 +264,17 @@ class CurveOrder:
             old = changed[changed < m]
             if len(old):
                 self.key_undo.append((self.seq, old, self.lon_key[old], self.lat_key[old]))
+            old_pos = self._sorted_positions(old) if len(changed) <= self.MERGE_LIMIT else None
             self.lon_key[changed] = lk
             self.lat_key[changed] = tk
             self._hv[changed] = hv
             if m == 0 or len(changed) * self.REBUILD_FRACTION > n:
                 rows = np.argsort(self._hv[:n], kind="stable").astype(np.int32)
                 self._rows, self._hv_sorted = rows, self._hv[rows]
-                self._lk_sorted, self._tk_sorted = self.lon_key[rows], self.lat_key[rows]
+                self._lk_sorted = self.lon_key[rows].astype(np.int32)
+                self._tk_sorted = self.lat_key[rows].astype(np.int32)
+            elif old_pos is not None:
+                self._merge(old_pos, changed, hv, lk, tk)
             else:
                 keep = ~is_moved[self._rows]
                 base_hv = self._hv_sorted[keep]
@@ -317,6 +321,65 @@ class CurveOrder:
             self._tk_sorted[p],
             tuple(self._recent),
         )
+
+    MERGE_LIMIT = 2_000
+    """Up to this many changed rows, :meth:`_merge` patches the sorted arrays by copying the runs
+    between the changes (one pass, no masks); above, masks and ``np.insert`` are cheaper than its
+    per-run copies."""
+    _TIE_SCAN = 64
+    """Steps :meth:`_sorted_positions` walks along runs of equal values before it gives up."""
+
+    def _sorted_positions(self, rows: I64) -> I64 | None:
+        """Positions of the given rows (already sorted) in the sorted arrays (before this step changes their
+        values), ascending; None when runs of equal values are too long to walk."""
+        hv_sorted, order_rows = self._hv_sorted, self._rows
+        if not len(rows):
+            return np.zeros(0, np.int64)
+        pos = np.searchsorted(hv_sorted, self._hv[rows])
+        last = len(order_rows) - 1
+        todo = np.flatnonzero(order_rows[np.minimum(pos, last)] != rows)
+        for _ in range(self._TIE_SCAN):  # equal values: the row is further along its run
+            if not len(todo):
+                return np.sort(pos)
+            pos[todo] += 1
+            todo = todo[order_rows[np.minimum(pos[todo], last)] != rows[todo]]
+        return None
+
+    def _merge(self, old_pos: I64, changed: I64, hv: I64, lk: I64, tk: I64) -> None:
+        """The sorted arrays without the entries at ``old_pos`` and with the ``changed`` rows at
+        their new values (each before the first kept entry of an equal or larger value, in row
+        order among equal values: what the masks and ``np.insert`` give), new arrays copied run by
+        run."""
+        o = np.argsort(hv, kind="stable")
+        new_hv = hv[o]
+        old = self._hv_sorted
+        q = np.searchsorted(old, new_hv)  # before old position q (entries deleted there are skipped)
+        starts = np.union1d(np.union1d(old_pos, q), np.zeros(1, np.int64))  # runs start at 0 and at each cut
+        ends = np.append(starts[1:], len(old))
+        deleted = np.isin(starts, old_pos)
+        src0 = (starts + deleted).tolist()
+        src1 = ends.tolist()
+        ins0 = np.searchsorted(q, starts, "left").tolist()
+        ins1 = np.searchsorted(q, starts, "right").tolist()
+        size = len(old) - len(old_pos) + len(new_hv)
+        out = []
+        for a, values in (
+            (self._rows, changed[o].astype(np.int32)),
+            (old, new_hv),
+            (self._lk_sorted, lk[o]),
+            (self._tk_sorted, tk[o]),
+        ):
+            b = np.empty(size, a.dtype)
+            d = 0
+            for s0, s1, i0, i1 in zip(src0, src1, ins0, ins1, strict=True):
+                if i1 > i0:
+                    b[d : d + i1 - i0] = values[i0:i1]
+                    d += i1 - i0
+                if s1 > s0:
+                    b[d : d + s1 - s0] = a[s0:s1]
+                    d += s1 - s0
+            out.append(b)
+        self._rows, self._hv_sorted, self._lk_sorted, self._tk_sorted = out
 
     def drop_key_undo(self, seq: int) -> None:
         """Forget the keys kept for snapshots before ``seq`` (no live view reads them)."""

@@ -89,6 +89,9 @@ class PositionIndex:
         self._profile_rows = array("q")  # rows whose profile or salt was written since then
         self._journal = _Journal()
         self._present_rows: tuple[npt.NDArray[np.bool_], I64, npt.NDArray[np.int32]] | None = None
+        # Smallest and largest value of each stored-profile column over one present set (the
+        # latest view's mask, by identity), valid until the next snapshot after a profile write.
+        self._ranges: dict[str, tuple[npt.NDArray[np.bool_], float, float]] = {}
 
     def _alloc(self, capacity: int) -> None:
         n_old = len(self._lat)
@@ -300,7 +303,7 @@ class PositionIndex:
         present = self._alive[:n] & (self._t[:n] >= now - self.stale_after_s)
         kept = self._present_rows
         if kept is not None and len(kept[0]) == n and np.array_equal(kept[0], present):
-            rows, view_of = kept[1], kept[2]  # the same users as the previous view: same numbering
+            present, rows, view_of = kept  # the same users as the previous view: same numbering
         else:
             rows = np.flatnonzero(present)
             if len(rows) == n:
@@ -316,6 +319,8 @@ class PositionIndex:
         before = self._curve.seq
         self._journal.freeze(before, self._profile_log)
         profile_rows = np.frombuffer(self._profile_rows, np.int64).copy()
+        if len(profile_rows):
+            self._ranges.clear()
         self._profiled[profile_rows] = False
         self._profile_log = []
         self._profile_rows = array("q")
@@ -380,12 +385,22 @@ class PositionIndex:
         without a copy, when no stored profile was written since (None: read the view's column)."""
         if self._profile_rows or any(g >= seq for g, _, _ in self._journal.profiles):
             return None
+        got = self._ranges.get(name)
+        if got is not None and got[0] is present:  # no profile written since it was computed
+            return got[1], got[2]
         n = len(present)
         if not present.any():
             return (0.0, 0.0)
         col = getattr(self, _COLUMN[name])[:n]
-        top, bottom = (np.inf, -np.inf) if col.dtype.kind == "f" else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
-        return float(np.min(col, where=present, initial=top)), float(np.max(col, where=present, initial=bottom))
+        if present.all():
+            lo, hi = float(col.min()), float(col.max())
+        else:
+            f = col.dtype.kind == "f"
+            top, bottom = (np.inf, -np.inf) if f else (np.iinfo(col.dtype).max, np.iinfo(col.dtype).min)
+            lo, hi = float(np.min(col, where=present, initial=top)), float(np.max(col, where=present, initial=bottom))
+        if self._present_rows is not None and present is self._present_rows[0]:
+            self._ranges[name] = (present, lo, hi)
+        return lo, hi
 
     def snapshot_from_scratch(self, now: float, *, epoch: int = 0, seed: int = 0) -> IndexView:
         """The same view as :meth:`snapshot` built from nothing: no kept order, no carried state, its
@@ -496,13 +511,15 @@ class _Journal:
 class _Columns:
     """Where a view of a :class:`PositionIndex` reads its columns from, on first use."""
 
-    __slots__ = ("__weakref__", "index", "pending", "present", "rows", "seq")
+    __slots__ = ("__weakref__", "everyone", "index", "pending", "present", "rows", "seq")
 
     def __init__(self, index: PositionIndex, seq: int, rows: I64, present: npt.NDArray[np.bool_]) -> None:
         self.index: PositionIndex | None = index
         self.seq = seq
         self.rows = rows
         self.present = present
+        self.everyone = len(rows) == len(present)
+        """Every index row is present: view rows are index rows."""
         self.pending = {*_COLUMN, "lon_key", "lat_key"}
 
     def gather(self, name: str) -> npt.NDArray[Any]:
@@ -517,7 +534,7 @@ class _Columns:
 
     def gather_at(self, name: str, view_rows: I64) -> npt.NDArray[Any]:
         assert self.index is not None
-        return self.index._gather(name, self.seq, self.rows[view_rows], False)
+        return self.index._gather(name, self.seq, view_rows if self.everyone else self.rows[view_rows], False)
 
     def profile_range(self, name: str) -> tuple[float, float] | None:
         return None if self.index is None else self.index._profile_range(name, self.seq, self.present)

@@ -56,6 +56,8 @@ if TYPE_CHECKING:  # cells imports this module (hilbert_indices): the map is onl
     from kcloak.cloaking.cells import CellMap
 
 I64 = npt.NDArray[np.int64]
+Keys = npt.NDArray[np.int64] | npt.NDArray[np.int32]
+"""Exact coordinate keys (int32 in the kept Hilbert order, int64 in a view\'s columns)."""
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
 
@@ -145,6 +147,19 @@ def order_ties(rows: I64, hv_sorted: I64, salt: U64 | Callable[[I64], U64], seed
     sub = rows[pos]
     salts = salt(sub) if callable(salt) else salt[sub]
     return pos, pos[np.lexsort((sub, tie_keys(salts, seed), hv_sorted[pos]))]
+
+
+def tied_at(a: npt.NDArray[Any], ties: tuple[I64, I64] | None, at: I64) -> npt.NDArray[Any]:
+    """``apply_ties(a, ties)[at]`` without the whole copy: ``a[at]`` with the tied positions among
+    ``at`` read where :func:`order_ties` puts them from."""
+    out = a[at]
+    if ties is None or not len(at):
+        return out
+    pos, src = ties
+    i = np.minimum(np.searchsorted(pos, at), len(pos) - 1)
+    hit = pos[i] == at
+    out[hit] = a[src[i[hit]]]
+    return out
 
 
 def apply_ties(a: npt.NDArray[Any], ties: tuple[I64, I64] | None) -> npt.NDArray[Any]:
@@ -348,8 +363,8 @@ def super_bucket_levels(sizes: npt.ArrayLike, k: int) -> I64:
 
 def cover_counts(
     hv_sorted: I64,
-    lon_key_sorted: I64,
-    lat_key_sorted: I64,
+    lon_key_sorted: Keys,
+    lat_key_sorted: Keys,
     boxes: npt.ArrayLike,
     *,
     order: int = GRID_BITS,
@@ -455,13 +470,17 @@ without shapely boxes; above, :func:`count_change` does with an STR-tree."""
 
 
 _CHANGE_BANDS = 256
-"""Latitude bands :func:`count_change_sorted` sorts the changed points into."""
+"""Latitude bands :func:`count_change_sorted` sorts the changed points into …"""
+_CHANGE_BINS = 1024
+"""… and longitude bins in each band."""
 
 
 def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
-    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted by latitude band,
-    then longitude key: each box's candidates are one slice per band it overlaps, tested on
-    latitude. None when there are more than ``limit`` candidates (a large change)."""
+    """:func:`count_change` for ``(m, 4)`` micro-degree boxes, on the points sorted into a grid of
+    latitude bands × longitude bins: each box's candidates are one run of points per band it
+    overlaps (the bins its longitude range touches, found in a table of where each grid cell's
+    points start), tested on both keys. None when there are more than ``limit`` candidates (a
+    large change)."""
     m = len(boxes)
     n_added = len(delta.added_lon_key)
     lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key])
@@ -471,25 +490,29 @@ def count_change_sorted(boxes: I64, delta: ViewDelta, limit: int) -> I64 | None:
     lat0 = int(lat.min())
     lon0 = int(lon.min())
     height = (int(lat.max()) - lat0) // _CHANGE_BANDS + 1
-    width = int(lon.max()) - lon0 + 2  # one more than any point's offset: a band's end
-    key = (lat - lat0) // height * width + (lon - lon0)
-    order = np.argsort(key, kind="stable")
-    key, lat = key[order], lat[order]
+    width = (int(lon.max()) - lon0) // _CHANGE_BINS + 1
+    cell = (lat - lat0) // height * _CHANGE_BINS + (lon - lon0) // width
+    order = np.argsort(cell, kind="stable")
+    lat, lon = lat[order], lon[order]
     sign = np.where(order < n_added, 1, -1)
+    first = np.zeros(_CHANGE_BANDS * _CHANGE_BINS + 1, np.int64)  # where each cell's points start
+    np.cumsum(np.bincount(cell, minlength=_CHANGE_BANDS * _CHANGE_BINS), out=first[1:])
     kb = key_bounds_array(boxes)
     b0 = np.maximum((kb[:, 1] - lat0) // height, 0)
-    span = np.maximum(np.minimum((kb[:, 3] - lat0) // height, _CHANGE_BANDS) - b0 + 1, 0)
+    span = np.maximum(np.minimum((kb[:, 3] - lat0) // height, _CHANGE_BANDS - 1) - b0 + 1, 0)
     box = np.repeat(np.arange(m), span)
-    band = _ranges(b0, span) * width
-    lo = np.searchsorted(key, band + np.clip(kb[box, 0] - lon0, 0, width - 1), "left")
-    hi = np.searchsorted(key, band + np.clip(kb[box, 2] - lon0, -1, width - 1), "right")
-    length = np.maximum(hi - lo, 0)
+    band = _ranges(b0, span) * _CHANGE_BINS
+    x0 = np.clip((kb[box, 0] - lon0) // width, 0, _CHANGE_BINS - 1)
+    x1 = np.clip((kb[box, 2] - lon0) // width, -1, _CHANGE_BINS - 1)
+    lo = first[band + x0]
+    length = np.maximum(first[band + x1 + 1] - lo, 0)
     total = int(length.sum())
     if total > limit:
         return None
     owner = np.repeat(box, length)
     at = _ranges(lo, length)
     inside = (lat[at] >= kb[owner, 1]) & (lat[at] <= kb[owner, 3])
+    inside &= (lon[at] >= kb[owner, 0]) & (lon[at] <= kb[owner, 2])
     out: I64 = np.bincount(owner[inside], weights=sign[at[inside]], minlength=m).astype(np.int64)
     return out
 
@@ -646,7 +669,9 @@ class _BucketCarry:
         self.rows: I64 | None = link[0] if link is not None else None
         self.view_of: npt.NDArray[np.int32] | None = link[1] if link is not None else None
 
-    def dirty_hv(self, view: IndexView, delta: ViewDelta, hv_sorted: I64) -> tuple[I64, I64 | None] | None:
+    def dirty_hv(
+        self, view: IndexView, delta: ViewDelta, hv_sorted: I64, ties: tuple[I64, I64] | None
+    ) -> tuple[I64, I64 | None] | None:
         """Hilbert values (level 29) around which segments may have changed since this carry's view
         (the points that left or entered, users whose stored profile or salt was written, and every
         tie when the seed changed), and the previous view's row of each of ``view``'s rows when the
@@ -675,13 +700,12 @@ class _BucketCarry:
         lon = np.concatenate([delta.added_lon_key, delta.removed_lon_key, view.column_at("lon_key", at)])
         lat = np.concatenate([delta.added_lat_key, delta.removed_lat_key, view.column_at("lat_key", at)])
         hv = hilbert_indices(grid_coords(lon, "lon"), grid_coords(lat, "lat"))
-        if view.seed != self.seed:  # tied users are put in a new order
-            tied = hv_sorted[1:] == hv_sorted[:-1]
-            hv = np.concatenate([hv, hv_sorted[1:][tied]])
+        if view.seed != self.seed and ties is not None:  # tied users are put in a new order
+            hv = np.concatenate([hv, hv_sorted[ties[0]]])
         return hv, remap
 
 
-def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, bounds: I64) -> tuple[F64, F64, I64]:
+def _bucket_columns(view: IndexView, rows: I64, lon_key: Keys, lat_key: Keys, bounds: I64) -> tuple[F64, F64, I64]:
     """Largest stored A_min, smallest max area and MBR of each bucket of ``rows`` (curve order; the
     whole view's or, when few, only those rows' profile values are read)."""
     if len(bounds) < 2:
@@ -690,22 +714,24 @@ def _bucket_columns(view: IndexView, rows: I64, lon_key: I64, lat_key: I64, boun
     amax = _per_bucket(np.minimum, view, "max_area_m2", rows, bounds)
     lon0, lon1 = group_extents(lon_key, bounds)
     lat0, lat1 = group_extents(lat_key, bounds)
-    return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1)
+    return amin, amax, bboxes_around_keys(lon0, lat0, lon1, lat1).astype(np.int64)  # keys may be int32
 
 
 def segment_buckets(
     view: IndexView,
     rows: I64,
     hv_sorted: I64,
-    keys_sorted: tuple[I64, I64],
+    keys_sorted: tuple[Keys, Keys],
     order: int,
     factor: int,
     prev: _BucketCarry | None = None,
     dirty_hv: I64 | None = None,
     remap: I64 | None = None,
+    ties: tuple[I64, I64] | None = None,
 ) -> Buckets:
     """The buckets of a view whose users are ``rows`` in curve order (values ``hv_sorted``, exact
-    coordinate keys ``keys_sorted``).
+    coordinate keys ``keys_sorted``, in that order with the tied runs put in the order ``ties``
+    gives, see :func:`tied_at`; ``rows`` already in it).
 
     Segments come from :func:`curve_segments` with :func:`segment_threshold` (``factor`` 0: one
     chain over everyone). With the previous view's carry and the values around which anything
@@ -771,7 +797,7 @@ def segment_buckets(
         if nb:
             bucket_of[rows[: bounds[-1]]] = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         seg_b = np.searchsorted(bounds, seg_pos).astype(np.int64) if nb else np.zeros(s + 1, np.int64)
-        amin, amax, mbr = _bucket_columns(view, rows, lon_key, lat_key, bounds)
+        amin, amax, mbr = _bucket_columns(view, rows, apply_ties(lon_key, ties), apply_ties(lat_key, ties), bounds)
         none = np.zeros(0, np.int64)
         return Buckets(seg_lo, seg_pos, seg_b, bounds, bucket_of, sizes, amin, amax, mbr, none, none)
     assert prev is not None
@@ -832,7 +858,9 @@ def segment_buckets(
     d_sizes = np.diff(d_bounds)
     cnt_d = np.zeros(s, np.int64)
     cnt_d[recut] = np.bincount(owner, minlength=len(recut))
-    d_amin, d_amax, d_mbr = _bucket_columns(view, d_rows, lon_key[dpos], lat_key[dpos], d_bounds)
+    d_amin, d_amax, d_mbr = _bucket_columns(
+        view, d_rows, tied_at(lon_key, ties, dpos), tied_at(lat_key, ties, dpos), d_bounds
+    )
     # Each segment's kept buckets first, then its new ones, then its kept tail, numbered after the
     # buckets before them.
     cnt = keep_n + cnt_d + tail_n
@@ -988,13 +1016,18 @@ class _HilbertState:
         n = len(view)
         self.n = n
         curve = view.curve if order == GRID_BITS and view_rows is None else None
+        lon_key_sorted: Keys
+        lat_key_sorted: Keys
         if curve is not None:  # the index kept the Hilbert order: only the tied runs are sorted
             hv_sorted = curve.hv
             curve_rows = cast(I64, curve.rows)  # int32 or int64: both index alike (members are made int64)
             ties = order_ties(curve_rows, hv_sorted, partial(view.column_at, "salt"), view.seed)
             rows = apply_ties(curve_rows, ties)
-            lon_key_sorted, lat_key_sorted = apply_ties(curve.lon_key, ties), apply_ties(curve.lat_key, ties)
+            # The keys stay in the kept order (no copy): counts do not depend on the order of users
+            # with equal values; where a bucket's extent does, ``ties`` is applied (tied_at).
+            lon_key_sorted, lat_key_sorted = curve.lon_key, curve.lat_key
         else:
+            ties = None
             shift = GRID_BITS - order
             hv = hilbert_indices(view.gx >> shift, view.gy >> shift, order)
             rows = hilbert_sort(hv, tie_keys(view.salt, view.seed)).astype(np.int64)
@@ -1006,12 +1039,15 @@ class _HilbertState:
         self.hv_sorted = hv_sorted
         self.lon_key_sorted = lon_key_sorted
         self.lat_key_sorted = lat_key_sorted
+        """Exact keys in curve order; users with equal Hilbert values in the kept order, not ``rows``'
+        (``ties`` puts them in that order)."""
+        self.ties = ties
         prev = carry.buckets if carry is not None else None
         delta = curve.delta_since(carry.source, carry.seq) if curve is not None and carry is not None else None
-        dirty = prev.dirty_hv(view, delta, hv_sorted) if prev is not None and delta is not None else None
+        dirty = prev.dirty_hv(view, delta, hv_sorted, ties) if prev is not None and delta is not None else None
         dirty_hv, remap = dirty if dirty is not None else (None, None)
         bk = segment_buckets(
-            view, rows, hv_sorted, (lon_key_sorted, lat_key_sorted), order, segment_factor, prev, dirty_hv, remap
+            view, rows, hv_sorted, (lon_key_sorted, lat_key_sorted), order, segment_factor, prev, dirty_hv, remap, ties
         )
         self.buckets: Buckets = bk
         """The buckets with their segments (what the next view re-uses where a segment is unchanged)."""
@@ -1190,7 +1226,8 @@ class _HilbertState:
             b1 = min((m + 1) << j, self.n_buckets)
             lo, hi = int(self.bounds[b0]), int(self.bounds[b1])
             rows = self.rows[lo:hi]
-            lon_k, lat_k = self.lon_key_sorted[lo:hi], self.lat_key_sorted[lo:hi]
+            at = np.arange(lo, hi, dtype=np.int64)
+            lon_k, lat_k = tied_at(self.lon_key_sorted, self.ties, at), tied_at(self.lat_key_sorted, self.ties, at)
             mbr = bbox_around_keys(int(lon_k.min()), int(lat_k.min()), int(lon_k.max()), int(lat_k.max()))
             deficient = np.repeat(self.size_arr[b0:b1] < k, self.size_arr[b0:b1])
             anon = rows[deficient].astype(np.int64)

@@ -327,13 +327,17 @@ def test_bucket_ends_with_many_levels_follow_the_rule() -> None:
 @given(
     st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 8), st.integers(0, 8)), max_size=30),
     st.lists(st.tuples(st.integers(-2, 80), st.integers(-2, 80), st.booleans()), max_size=40),
+    st.sampled_from([1, 1, 37, 4099]),
+    st.integers(-2, 2),
 )
 def test_both_ways_of_counting_a_change_count_strictly_inside(
-    boxes: list[tuple[int, int, int, int]], points: list[tuple[int, int, bool]]
+    boxes: list[tuple[int, int, int, int]], points: list[tuple[int, int, bool]], scale: int, jitter: int
 ) -> None:
     """Points given by exact keys (2·µdeg on a micro-degree, odd between), boxes in micro-degrees:
-    a point counts for a box when strictly inside it (keys strictly between twice the edges)."""
-    b = np.array([(x, y, x + w, y + h) for x, y, w, h in boxes], np.int64).reshape(-1, 4)
+    a point counts for a box when strictly inside it (keys strictly between twice the edges).
+    ``scale`` spreads boxes and points over many more keys than the counting grid has cells."""
+    b = np.array([(x, y, x + w, y + h) for x, y, w, h in boxes], np.int64).reshape(-1, 4) * scale
+    points = [(lo * scale + jitter * (lo % 3), la * scale + jitter * (la % 2), e) for lo, la, e in points]
     added = [(lo, la) for lo, la, entered in points if entered]
     left = [(lo, la) for lo, la, entered in points if not entered]
 
@@ -350,6 +354,26 @@ def test_both_ways_of_counting_a_change_count_strictly_inside(
     assert sorted_way is not None and sorted_way.tolist() == want
     assert hilbert.count_change(hilbert.key_boxes(b), delta).tolist() == want
     assert hilbert.count_change_sorted(b, delta, -1) is None or not len(b) or not len(points)
+
+
+def test_points_on_or_beside_box_edges_over_a_wide_area_count_exactly() -> None:
+    """Boxes far apart (so that one cell of the counting grid spans many keys) with points on their
+    edges, half a micro-degree inside and outside: only the points strictly inside count."""
+    boxes = np.array([(0, 0, 10, 10), (200_000, 300_000, 200_003, 300_005), (-50_000, 90_000, -49_990, 90_001)])
+    pts = []
+    for x0, y0, x1, y1 in boxes.tolist():
+        for lo in (2 * x0 - 1, 2 * x0, 2 * x0 + 1, x0 + x1, 2 * x1 - 1, 2 * x1, 2 * x1 + 1):
+            for la in (2 * y0 - 1, 2 * y0, 2 * y0 + 1, y0 + y1, 2 * y1 - 1, 2 * y1, 2 * y1 + 1):
+                pts.append((lo, la))
+    lon = np.array([p[0] for p in pts], np.int64)
+    lat = np.array([p[1] for p in pts], np.int64)
+    none = np.zeros(0, np.int64)
+    want = [sum(2 * x0 < lo < 2 * x1 and 2 * y0 < la < 2 * y1 for lo, la in pts) for x0, y0, x1, y1 in boxes.tolist()]
+    assert want == [9, 9, 9]
+    got = hilbert.count_change_sorted(boxes, ViewDelta(1, 1, none, none, lon, lat), 1 << 20)
+    assert got is not None and got.tolist() == want
+    got = hilbert.count_change_sorted(boxes, ViewDelta(1, 1, lon, lat, none, none), 1 << 20)
+    assert got is not None and got.tolist() == [-w for w in want]
 
 
 def segment_ends_kept(cloaker: Any, view: IndexView, counts: list[int]) -> int:
@@ -394,3 +418,45 @@ def test_moves_inside_long_segments_keep_both_ends(seed: int, margin: int, monke
     )
     assert carried > 0
     assert counts[0] > 0 and counts[1] > 0
+
+
+def tied_point(draw: Any) -> tuple[float, float]:
+    """A position in one of 16 neighbouring micro-degree cells, on the cell's lower edge or half a
+    micro-degree inside it (7 decimals, as a client may send): users with one Hilbert value but
+    different exact keys, so the order inside a tied run decides a bucket's extent."""
+    i, j = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    half_i, half_j = draw(st.integers(0, 1)), draw(st.integers(0, 1))
+    return float(f"{39.9 + i * 1e-6 + half_i * 5e-7:.7f}"), float(f"{116.4 + j * 1e-6 + half_j * 5e-7:.7f}")
+
+
+@st.composite
+def tied_scenarios(draw: Any) -> tuple[list[tuple[Any, ...]], list[list[tuple[Any, ...]]]]:
+    n0 = draw(st.integers(8, 50))
+    first = [(f"u{i}", *tied_point(draw), draw(st.integers(0, len(PROFILES) - 1))) for i in range(n0)]
+    steps = []
+    for _ in range(draw(st.integers(1, 4))):
+        ops: list[tuple[Any, ...]] = []
+        for _ in range(draw(st.integers(0, 8))):
+            who = f"u{draw(st.integers(0, n0 - 1))}"
+            kind = draw(st.sampled_from(["move", "move", "stay", "profile"]))
+            if kind == "move":
+                ops.append(("move", who, *tied_point(draw)))
+            elif kind == "profile":
+                ops.append(("profile", who, draw(st.integers(0, len(PROFILES) - 1))))
+            else:
+                ops.append((kind, who))
+        steps.append(ops)
+    return first, steps
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=SLOW_OK)
+@given(tied_scenarios(), FACTORS, st.booleans())
+def test_tied_users_with_different_keys_get_what_a_view_from_nothing_gives(
+    scenario: tuple[list[tuple[Any, ...]], list[list[tuple[Any, ...]]]], factor: int, reseed: bool
+) -> None:
+    """Users crowded into a few micro-degree cells (many equal Hilbert values), some on a cell's
+    edge and some half a micro-degree inside: the incremental view reads the keys of tied users in
+    the kept order and puts them in the view's tie order only where a bucket's extent needs it;
+    every user still gets what a view built from nothing gives (stored profile, two overrides)."""
+    first, steps = scenario
+    run_steps(first, steps, partial(HilbertCloak, segment_factor=factor), reseed=reseed)
