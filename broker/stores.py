@@ -222,9 +222,6 @@ MAX_STATEMENT_ROWS = 4096
 MAX_BATCHES_PER_COMMIT = 4096
 """Most writes the writer thread commits in one transaction."""
 
-INLINE_ROWS = 1024
-"""Most rows of an urgent turn that its event loop commits itself while the writer thread is idle."""
-
 
 class _Batch:
     __slots__ = ("future", "loop", "params", "rowcount", "rows", "sql", "urgent")
@@ -252,8 +249,7 @@ class GroupCommitWriter:
     (``capacity`` rows); :meth:`try_reserve` lets callers refuse with ``overloaded`` instead of
     waiting. Timing of each commit is reported to ``on_commit(seconds)``. After the first queued
     write the thread lingers ``linger_s`` (2 ms) for more before it commits, unless a write queued
-    with ``urgent`` is waiting (writes queued meanwhile still share that commit); an urgent turn
-    of at most :data:`INLINE_ROWS` rows that finds the thread idle is committed by its event loop.
+    with ``urgent`` is waiting (writes queued meanwhile still share that commit).
     """
 
     def __init__(
@@ -284,8 +280,6 @@ class GroupCommitWriter:
         self._urgent = False
         """An ``urgent`` write is pending: commit without lingering (under ``_pending_lock``)."""
         self._wake = threading.Event()
-        self._conn_lock = threading.Lock()
-        """Held while a transaction runs: by the thread, or by an event loop committing an urgent turn itself."""
         self._stopping = False
         self._turn: dict[asyncio.AbstractEventLoop, list[_Batch]] = {}
         """Per event loop, the writes of its current turn: queued together when the turn ends."""
@@ -337,21 +331,12 @@ class GroupCommitWriter:
         if self._closed:  # the thread has stopped: these would wait forever
             _settle_all([(b.future, RuntimeError("the writer is closed")) for b in turn])
             return
-        urgent = any(b.urgent for b in turn)
-        with self._pending_lock:
-            idle = self._idle and not self._pending
-        if urgent and idle and sum(len(b.rows) for b in turn) <= INLINE_ROWS:
-            # A client waits, the thread waits for work and nothing is queued: commit here, in this
-            # turn, instead of waking the thread and being woken back by it (two hand-overs of the
-            # interpreter lock and of the CPU, each of which can wait for the switch interval).
-            self._commit(turn, here=loop)
-            return
         # The thread is woken only when it waits for work: while it lingers or commits, the
         # writes of further turns are only appended (no wake-up, no switch of threads per turn).
         with self._pending_lock:
             self._pending += turn
             wake, self._idle = self._idle, False
-            if urgent:
+            if any(b.urgent for b in turn):
                 self._urgent = True
         if wake:
             self._wake.set()
@@ -395,17 +380,15 @@ class GroupCommitWriter:
             if stopping and not more:
                 return
 
-    def _commit(self, batches: list[_Batch], *, here: asyncio.AbstractEventLoop | None = None) -> None:
-        """Commit ``batches`` and settle their futures (at once for those of ``here``, the loop running this)."""
-        with self._conn_lock:
-            started = time.perf_counter()
-            error = self._transaction(batches)
-            if error is not None and not storage_failure(error) and len(batches) > 1:
-                # A bad row fails only its own write, not the others grouped with it.
-                errors = [self._transaction([b]) for b in batches]
-            else:
-                errors = [error] * len(batches)
-            elapsed = time.perf_counter() - started
+    def _commit(self, batches: list[_Batch]) -> None:
+        started = time.perf_counter()
+        error = self._transaction(batches)
+        if error is not None and not storage_failure(error) and len(batches) > 1:
+            # A bad row fails only its own write, not the others grouped with it.
+            errors = [self._transaction([b]) for b in batches]
+        else:
+            errors = [error] * len(batches)
+        elapsed = time.perf_counter() - started
         n = sum(len(b.rows) for b in batches)
         with self._count_lock:
             self._pending_rows -= n
@@ -415,10 +398,7 @@ class GroupCommitWriter:
         for b, err in zip(batches, errors, strict=True):
             by_loop.setdefault(b.loop, []).append((b.future, err))
         for loop, outcomes in by_loop.items():
-            if loop is here:
-                _settle_all(outcomes)
-            else:
-                loop.call_soon_threadsafe(_settle_all, outcomes)
+            loop.call_soon_threadsafe(_settle_all, outcomes)
 
     def _transaction(self, batches: list[_Batch]) -> BaseException | None:
         """Run ``batches`` in one transaction; returns the error that rolled it back, if any.

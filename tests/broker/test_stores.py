@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -277,48 +276,3 @@ def test_a_write_ahead_log_grown_under_a_long_read_is_cut_back(tmp_path: Path) -
     default = open_db(tmp_path / "default.sqlite3", MOVEMENT_FILE)  # what the stores open
     assert default.execute("PRAGMA journal_size_limit").fetchone()[0] == WAL_SIZE_LIMIT_BYTES
     default.close()
-
-
-async def test_an_urgent_write_finding_the_writer_idle_is_committed_by_its_event_loop(tmp_path: Path) -> None:
-    """A client waits for an urgent write: with the writer thread idle, the event loop commits it
-    itself (no hand-over to the thread and back); other writes still go through the thread. Either
-    way the write has committed when it returns: a plain connection reads it back at once."""
-    committed_on: list[int] = []
-    store = MovementStore(tmp_path / "movement.sqlite3", on_commit=lambda _: committed_on.append(threading.get_ident()))
-    loop_thread = threading.get_ident()
-    try:
-        with contextlib.closing(sqlite3.connect(tmp_path / "movement.sqlite3")) as reader:
-            for i in range(20):
-                await asyncio.sleep(0.01)  # the writer thread has gone back to waiting for work
-                await store.append([(f"u{i}", float(i), 39.9, 116.4)], urgent=True)
-                assert reader.execute("SELECT COUNT(*) FROM fixes").fetchone() == (i + 1,)
-            await store.append([("slow", 100.0, 39.9, 116.4)])
-        assert committed_on.count(loop_thread) >= 1
-        assert committed_on[-1] != loop_thread
-    finally:
-        store.close()
-
-
-WRITES = 200
-
-
-def _rows(b: int) -> int:
-    return 1 + b * 37 % 1000
-
-
-async def test_urgent_writes_of_two_event_loops_beside_the_writer_thread_store_every_row_once(tmp_path: Path) -> None:
-    """Two event loops (threads) make urgent and ordinary writes at once, so the loops' own commits
-    and the writer thread's meet on the one connection: every row is stored once, none fails."""
-    store = MovementStore(tmp_path / "movement.sqlite3", capacity=1_000_000)
-
-    async def writes(tag: str) -> None:
-        for b in range(WRITES):
-            rows = [(f"{tag}{b}", float(i), 39.9, 116.4) for i in range(_rows(b))]
-            await store.append(rows, urgent=b % 4 != 0)
-
-    try:
-        await asyncio.gather(writes("a"), asyncio.to_thread(asyncio.run, writes("b")))
-        assert len(store.fixes_between(0, 1000)) == 2 * sum(_rows(b) for b in range(WRITES))
-        assert store.writer.depth == 0
-    finally:
-        store.close()
