@@ -237,9 +237,10 @@ class FixIntake:
         task.add_done_callback(self._decided)
         return task
 
-    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
-        """Submit one fix as received (one HTTP request) and wait for its outcome: ``None`` =
-        accepted (committed and applied), else the reason code. The fix counts as received at once,
+    def decide_fix(self, transport: str, user: str, fix: Any) -> asyncio.Future[ReasonCode | None]:
+        """Submit one fix as received (one HTTP request); the future of its outcome: ``None`` =
+        accepted (committed and applied), else the reason code (a future, not a coroutine: the
+        request awaits it without a coroutine layer per fix). The fix counts as received at once,
         and a query of its user received later waits for it, as with :meth:`enqueue_fixes`. The
         single fixes received in one event-loop turn are one submission, without a task each: one
         check pass in the order received, one hand-over to the movement store, committed without
@@ -259,7 +260,7 @@ class FixIntake:
         waiter: asyncio.Future[ReasonCode | None] = loop.create_future()
         batch.items.append((user, fix))
         batch.waiters.append(waiter)
-        return await waiter
+        return waiter
 
     async def _decide_batch(self, batch: _OpenBatch) -> None:
         if self._open_batch is batch:

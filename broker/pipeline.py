@@ -236,9 +236,9 @@ class Pipeline:
         """Submit fixes as they are received, without waiting (see :meth:`FixIntake.enqueue_fixes`)."""
         return self.intake.enqueue_fixes(transport, items, batch=batch, source=source)
 
-    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
+    def decide_fix(self, transport: str, user: str, fix: Any) -> Awaitable[ReasonCode | None]:
         """One fix as received, its outcome once decided (see :meth:`FixIntake.decide_fix`)."""
-        return await self.intake.decide_fix(transport, user, fix)
+        return self.intake.decide_fix(transport, user, fix)
 
     # -- profiles ------------------------------------------------------------------------------
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:

@@ -194,6 +194,10 @@ def check_exposure(cfg: Config, tokens: TokenStore | None) -> None:
         raise ConfigError("mqtt.listen: serving beyond loopback needs a tokens file (--tokens)")
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval in ``kcloak serve`` (:func:`sys.setswitchinterval`)."""
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -220,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
         print("kcloak serve: --gateway-only needs --cluster", file=sys.stderr)
         return 2
     setup_logging(cfg.log.level, cfg.log.format)
+    # A store's writer thread takes the interpreter lock back after each SQLite call; while the event
+    # loop's thread runs, it waits the switch interval for it (5 ms by default), several times per
+    # commit, and the clients whose answers wait for that commit wait as long.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(_serve(cfg, tokens))
 
