@@ -631,7 +631,7 @@ class PrivacyGridCloak:
         wins only with an empty strip of its own and a shorter longer side (or an equal one and an
         earlier place in N, E, S, W). Each condition, checked after ``m`` steps, implies it at every
         step before (strips only shrink, the longer-side order only turns toward the other sides
-        once), so the longest such run is found by bisection, and the answer is the one the
+        once), so the longest such run is found by galloping and bisection, and the answer is the one the
         one-strip-at-a-time greedy gives, in O(log) table lookups instead of one step per strip.
         """
         x0, y0, x1, y1 = rect
@@ -681,7 +681,10 @@ class PrivacyGridCloak:
                     return False
             return True
 
-        lo, hi = 1, last
+        lo, probe = 1, 2  # gallop (most runs are short), then bisect
+        while probe <= last and ok(probe):
+            lo, probe = probe, 2 * probe
+        hi = min(last, probe - 1)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if ok(mid):
