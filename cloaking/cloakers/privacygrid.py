@@ -651,13 +651,17 @@ class PrivacyGridCloak:
                 return a0, b0 + j, a1, b1
             return a0 + j, b0, a1, b1
 
+        def block(r: Rect, side: int, m: int) -> Rect:
+            """The ``m`` strips of ``r`` next to its side ``side``."""
+            extent = r[2] - r[0] + 1 if side % 2 else r[3] - r[1] + 1
+            return after(r, (side + 2) % 4, extent - m)
+
         def longer(r: Rect) -> int:
             return max(r[2] - r[0], r[3] - r[1])
 
         def ok(m: int) -> bool:
-            # the m strips next to side d, as one block
-            bx0, by0, bx1, by1 = after(rect, (d + 2) % 4, (x1 - x0 + 1 if d % 2 else y1 - y0 + 1) - m)
-            if count(bx0, by0, bx1, by1) or (need_l and pg.any_in(bx0, by0, bx1, by1)):
+            gone = block(rect, d, m)
+            if count(*gone) or (need_l and pg.any_in(*gone)):
                 return False
             if amin > 0 and self._area(*after(rect, d, m)) < amin:
                 return False
@@ -667,18 +671,9 @@ class PrivacyGridCloak:
                 if other == d or room[other] <= 0:
                     continue
                 theirs = longer(after(cur, other, 1))
-                if theirs > mine or (theirs == mine and other > d):
+                if (theirs > mine or (theirs == mine and other > d)) or count(*block(cur, other, 1)):
                     continue
-                c0, c1, c2, c3 = cur
-                line = (
-                    (c0, c3, c2, c3)
-                    if other == 0
-                    else (c2, c1, c2, c3)
-                    if other == 1
-                    else ((c0, c1, c2, c1) if other == 2 else (c0, c1, c0, c3))
-                )
-                if count(*line) == 0:
-                    return False
+                return False
             return True
 
         lo, probe = 1, 2  # gallop (most runs are short), then bisect
