@@ -57,6 +57,20 @@ def _bundled_places() -> PlacesLayer:
     return PlacesLayer.bundled()
 
 
+def _least_radius(step_m: float, other_m: float, *, strict: bool) -> int:
+    """Smallest radius ``r ≥ 1`` with ``r · step_m ≥ other_m`` (``>`` when ``strict``), in floats."""
+
+    def passes(r: int) -> bool:
+        return r * step_m > other_m if strict else r * step_m >= other_m
+
+    r = max(1, math.ceil(other_m / step_m))
+    while r > 1 and passes(r - 1):
+        r -= 1
+    while not passes(r):
+        r += 1
+    return r
+
+
 class _UserGrid:
     """User counts of one window of cells as a flat summed-area table (§4.6).
 
@@ -202,6 +216,15 @@ class _PlaceGrid:
         sel = self._code_by_x[i:j][(ys >= y0) & (ys <= y1)]
         out: I64 = np.bincount(sel, minlength=self.n_categories)
         return out
+
+    def any_in(self, x0: int, y0: int, x1: int, y1: int) -> bool:
+        """Whether any place lies in a cell rectangle."""
+        i = bisect.bisect_left(self._x_sorted, x0)
+        j = bisect.bisect_right(self._x_sorted, x1, lo=i)
+        if i == j:
+            return False
+        ys = self._y_by_x[i:j]
+        return bool(np.any((ys >= y0) & (ys <= y1)))
 
     def categories_in(self, bbox: BBox) -> int:
         """Distinct categories of places inside a published bbox: strictly, but at the world edge (exact)."""
@@ -497,6 +520,9 @@ class PrivacyGridCloak:
         rx = max(0, int((side / w_m - 1) // 2))
         ry = max(0, int((side / h_m - 1) // 2))
         bx0, by0, bx1, by1 = g.bounds
+        # Radii beyond these reach the bounds on both sides: the clipped rectangle stays the same
+        # (near the poles, where cells are narrow, rx can exceed the world's width many times).
+        reach_x, reach_y = max(qx - bx0, bx1 - qx), max(qy - by0, by1 - qy)
         while True:
             rect = (max(qx - rx, bx0), max(qy - ry, by0), min(qx + rx, bx1), min(qy + ry, by1))
             if self._area(*rect) <= amax:
@@ -504,9 +530,11 @@ class PrivacyGridCloak:
             if rx == 0 and ry == 0:
                 return None
             if ry == 0 or (rx > 0 and rx * w_m >= ry * h_m):
-                rx -= 1
+                # Skip the steps that shrink rx without changing the rectangle: rx keeps shrinking
+                # down to the smallest radius that still passes this test.
+                rx = max(reach_x, _least_radius(w_m, ry * h_m, strict=False) - 1) if rx > reach_x + 1 else rx - 1
             else:
-                ry -= 1
+                ry = max(reach_y, _least_radius(h_m, rx * w_m, strict=True) - 1) if ry > reach_y + 1 else ry - 1
 
     def _top_down(self, g: _UserGrid, qx: int, qy: int, lat: float, prof: PrivacyProfile, track: _Track) -> Rect | None:
         """Shrink the largest admissible rectangle one row or column at a time (§4.6 ``pg_top_down``)."""
@@ -577,18 +605,88 @@ class PrivacyGridCloak:
                     best, b_du, b_den, b_side, b_strip, b_ncat = d, du, den, side, strip, new_ncat
             if best < 0:
                 return x0, y0, x1, y1
+            steps = 1
+            if b_du == 0 and b_strip is None:  # an empty strip: as many of them as the greedy would take
+                steps = self._empty_run(g, (x0, y0, x1, y1), best, qx, qy, amin, need_l)
             if best == 0:
-                y1 -= 1
+                y1 -= steps
             elif best == 1:
-                x1 -= 1
+                x1 -= steps
             elif best == 2:
-                y0 += 1
+                y0 += steps
             else:
-                x0 += 1
+                x0 += steps
             users -= b_du
             if b_strip is not None and cats is not None:
                 cats = cats - b_strip
                 ncat = b_ncat
+
+    def _empty_run(self, g: _UserGrid, rect: Rect, d: int, qx: int, qy: int, amin: float, need_l: bool) -> int:
+        """How many strips the top-down greedy drops in a row from side ``d`` of ``rect``, ≥ 1.
+
+        Called when the greedy's choice at ``rect`` is a strip without users (and, for ``l > 1``,
+        without places). Dropping it changes neither the users nor the categories, so the greedy
+        takes the next strip on side ``d`` too as long as that one is empty as well, the area stays
+        ≥ ``amin``, the querier's cell is not reached, and no other side could win the choice: one
+        wins only with an empty strip of its own and a shorter longer side (or an equal one and an
+        earlier place in N, E, S, W). Each condition, checked after ``m`` steps, implies it at every
+        step before (strips only shrink, the longer-side order only turns toward the other sides
+        once), so the longest such run is found by galloping and bisection, and the answer is the one the
+        one-strip-at-a-time greedy gives, in O(log) table lookups instead of one step per strip.
+        """
+        x0, y0, x1, y1 = rect
+        room = (y1 - qy, x1 - qx, qy - y0, qx - x0)
+        last = room[d]
+        if last <= 1:
+            return 1
+        count, pg = g.count, self._pg
+
+        def after(r: Rect, side: int, j: int) -> Rect:
+            a0, b0, a1, b1 = r
+            if side == 0:
+                return a0, b0, a1, b1 - j
+            if side == 1:
+                return a0, b0, a1 - j, b1
+            if side == 2:
+                return a0, b0 + j, a1, b1
+            return a0 + j, b0, a1, b1
+
+        def block(r: Rect, side: int, m: int) -> Rect:
+            """The ``m`` strips of ``r`` next to its side ``side``."""
+            extent = r[2] - r[0] + 1 if side % 2 else r[3] - r[1] + 1
+            return after(r, (side + 2) % 4, extent - m)
+
+        def longer(r: Rect) -> int:
+            return max(r[2] - r[0], r[3] - r[1])
+
+        def ok(m: int) -> bool:
+            gone = block(rect, d, m)
+            if count(*gone) or (need_l and pg.any_in(*gone)):
+                return False
+            if amin > 0 and self._area(*after(rect, d, m)) < amin:
+                return False
+            cur = after(rect, d, m - 1)  # the rectangle before the m-th step
+            mine = longer(after(cur, d, 1))
+            for other in range(4):
+                if other == d or room[other] <= 0:
+                    continue
+                theirs = longer(after(cur, other, 1))
+                if (theirs > mine or (theirs == mine and other > d)) or count(*block(cur, other, 1)):
+                    continue
+                return False
+            return True
+
+        lo, probe = 1, 2  # gallop (most runs are short), then bisect
+        while probe <= last and ok(probe):
+            lo, probe = probe, 2 * probe
+        hi = min(last, probe - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # -- publication -------------------------------------------------------------------------
     def _finish(self, view: IndexView, g: _UserGrid, rect: Rect, prof: PrivacyProfile) -> Region | None:

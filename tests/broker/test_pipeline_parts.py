@@ -198,20 +198,46 @@ async def test_held_cloaking_releases_a_clique_from_positions_filled_directly() 
     assert len(boxes) == 1 and all(c.region.k_achieved == 3 for c in out if isinstance(c, Cloaked))
 
 
-async def test_temporal_cloaking_reads_the_history_of_positions_filled_directly() -> None:
-    now = time.time()
-    fixes = [(f"t{i}", now - 30 + i, 39.9 + i * 1e-5, 116.4 + i * 1e-5) for i in range(6)]
+WINDOW_START = 1_800_000_000  # a multiple of the 60 s temporal window grid (CONCEPTS §5.1)
+
+
+async def _temporal_query(first_fix_t: float, clock_t: float, max_delay_s: float) -> Cloaked | Refusal:
+    """t0…t5 one metre apart, a fix a second from ``first_fix_t`` on; t5 asks at the fixed ``clock_t``.
+
+    The clock is injected (``Views(clock=…)``): which fixes fall inside the aligned window must not
+    depend on where the wall clock stands on the minute grid.
+    """
+    fixes = [(f"t{i}", first_fix_t + i, 39.9 + i * 1e-5, 116.4 + i * 1e-5) for i in range(6)]
     positions = positions_of(fixes, history=True)
-    views = Views(positions=positions, metrics=metrics())
+    views = Views(positions=positions, metrics=metrics(), clock=lambda: clock_t)
     cloaker = build_cloaker("temporal", cloaking=CloakingConfig())
     mode = serving_mode(cloaker, positions=positions, views=views, metrics=metrics(), queues=QueuesConfig())
     assert isinstance(mode, TemporalCloaking)
-    timing = Timing()
-    cloaked = await mode.cloak("t5", PrivacyProfile(k=3, max_area_m2=1e8, max_delay_s=5.0), timing)
+    return await mode.cloak("t5", PrivacyProfile(k=3, max_area_m2=1e8, max_delay_s=max_delay_s), Timing())
+
+
+async def test_temporal_cloaking_reads_the_history_of_positions_filled_directly() -> None:
+    fixes_t = [WINDOW_START + 10.0 + i for i in range(6)]
+    cloaked = await _temporal_query(fixes_t[0], WINDOW_START + 40.0, max_delay_s=5.0)
     assert isinstance(cloaked, Cloaked) and cloaked.view is None
     region = cloaked.region
-    assert region.t_start is not None and region.t_end is not None and region.t_start <= region.t_end
-    assert region.k_achieved >= 3 and region.algorithm == "temporal"
+    assert region.algorithm == "temporal"
+    # the aligned window of t5's fix, ending at the fix itself (k = 3 users were there before it)
+    t_start, t_end = region.t_start, region.t_end
+    assert (t_start, t_end) == (WINDOW_START, WINDOW_START + 15) and t_start is not None and t_end is not None
+    lon0, lat0, lon1, lat1 = region.bbox.to_geojson()
+    inside = [
+        i
+        for i in range(6)
+        if lon0 < 116.4 + i * 1e-5 < lon1 and lat0 < 39.9 + i * 1e-5 < lat1 and t_start <= fixes_t[i] <= t_end
+    ]
+    assert len(inside) >= 3 and region.k_achieved == len(inside)
+
+
+async def test_temporal_fixes_before_the_window_start_do_not_count() -> None:
+    """The fixes straddle a window boundary: only two fall in t5's window, so the query expires."""
+    cloaked = await _temporal_query(WINDOW_START - 4.0, WINDOW_START + 40.0, max_delay_s=0.3)
+    assert isinstance(cloaked, Refusal) and cloaked.reason == ReasonCode.EXPIRED
 
 
 class _Counting:

@@ -184,8 +184,8 @@ GENERATORS = {
 
 
 @st.composite
-def populations(draw: st.DrawFn, max_n: int = 30) -> Population:
-    kind = draw(st.sampled_from(sorted(GENERATORS)))
+def populations(draw: st.DrawFn, max_n: int = 30, kinds: Sequence[str] | None = None) -> Population:
+    kind = draw(st.sampled_from(sorted(GENERATORS) if kinds is None else list(kinds)))
     n = draw(st.one_of(st.just(1), st.integers(2, max_n)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lat, lon = GENERATORS[kind](rng, n)
@@ -322,9 +322,9 @@ def compare_batch(batch: Any, results: Sequence[Any], who: Sequence[str]) -> lis
 
 @st.composite
 def scenarios(
-    draw: st.DrawFn, *, l_max: int = 1, max_n: int = 30
+    draw: st.DrawFn, *, l_max: int = 1, max_n: int = 30, kinds: Sequence[str] | None = None
 ) -> tuple[Population, list[PrivacyProfile], list[tuple[int, dict[str, Any] | None]], int]:
-    pop = draw(populations(max_n=max_n))
+    pop = draw(populations(max_n=max_n, kinds=kinds))
     n = len(pop.lat)
     stored = draw(stored_profiles(n, l_max=l_max))
     queriers = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=min(n, 8), unique=True))

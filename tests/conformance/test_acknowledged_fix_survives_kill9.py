@@ -34,7 +34,7 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.users = [f"s{n}u{i:02d}" for i in range(USERS_PER_CLIENT)]
         self.sent: dict[int, tuple[str, float]] = {}
-        self.acked: set[tuple[str, float]] = set()
+        self.acked_mids: set[int] = set()
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"stream-{n}", protocol=paho.MQTTv311)
@@ -44,10 +44,10 @@ class Stream(threading.Thread):
         self.client.loop_start()
 
     def _on_publish(self, _c: paho.Client, _u: object, mid: int, _rc: object, _p: object) -> None:
+        # paho calls this holding its outgoing-message lock, which publish() takes too: never wait
+        # here for a lock held around publish() (that deadlocked the stream and hung the test).
         with self.lock:
-            fix = self.sent.get(mid)
-            if fix is not None:
-                self.acked.add(fix)
+            self.acked_mids.add(mid)
 
     def run(self) -> None:
         last: dict[str, float] = {}
@@ -61,10 +61,10 @@ class Stream(threading.Thread):
             t = round(max(time.time(), last.get(user, 0.0) + 0.001), 3)
             last[user] = t
             payload = json.dumps({"t": t, "lat": 39.9 + (i % 100) * 1e-4, "lon": 116.4})
+            info = self.client.publish(f"kcloak/v1/update/{user}", payload, qos=1)
+            if info.rc != paho.MQTT_ERR_SUCCESS:
+                break
             with self.lock:
-                info = self.client.publish(f"kcloak/v1/update/{user}", payload, qos=1)
-                if info.rc != paho.MQTT_ERR_SUCCESS:
-                    break
                 self.sent[info.mid] = (user, t)
             i += 1
 
@@ -72,6 +72,12 @@ class Stream(threading.Thread):
         self.stop.set()
         self.join(timeout=5)
         self.client.loop_stop()
+
+    @property
+    def acked(self) -> set[tuple[str, float]]:
+        """The fixes whose PUBACK arrived (a PUBACK can come before publish() returns its mid)."""
+        with self.lock:
+            return {self.sent[mid] for mid in self.acked_mids if mid in self.sent}
 
 
 def test_every_acknowledged_fix_is_in_the_movement_store_after_kill9(servers: Servers) -> None:
