@@ -83,13 +83,12 @@ afterwards unless a limit is set."""
 
 
 def open_db(path: Path, schema: SqliteFile, *, wal_limit_bytes: int = WAL_SIZE_LIMIT_BYTES) -> sqlite3.Connection:
-    """Open (creating if needed, with ``schema.page_size``) a WAL-mode SQLite database of ``schema``,
-    marked with its version, whose write-ahead log is cut back to ``wal_limit_bytes`` whenever it restarts.
+    """Open (creating if needed) a WAL-mode SQLite database of ``schema``, marked with its version, whose
+    write-ahead log is cut back to ``wal_limit_bytes`` whenever it restarts.
 
     A file of another schema version is refused (:class:`StoreError`) before anything is written."""
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
     try:
-        conn.execute(f"PRAGMA page_size={int(schema.page_size)}")  # before WAL mode: a new file only
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA journal_size_limit={int(wal_limit_bytes)}")
         conn.execute("PRAGMA synchronous=NORMAL")

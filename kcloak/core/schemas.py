@@ -109,13 +109,11 @@ class Table:
 
 @dataclass(frozen=True, slots=True)
 class SqliteFile:
-    """One SQLite file of the data directory: its file name, its tables and the page size it is
-    created with (``PRAGMA page_size``: it applies to a new file only; an existing file keeps its own)."""
+    """One SQLite file of the data directory: its file name and its tables."""
 
     filename: str
     tables: tuple[Table, ...]
     version: int = SCHEMA_VERSION
-    page_size: int = 4096
 
     def create_script(self) -> str:
         return "\n".join(t.create_sql() for t in self.tables)
@@ -215,13 +213,7 @@ FORWARDED = Table(
 """One row per forwarded query (not per attempt); no user id, query id or pseudonym."""
 
 PROFILES_FILE = SqliteFile("profiles.sqlite3", (PROFILES,))
-MOVEMENT_PAGE_SIZE = 32768
-"""Page size of a new ``movement.sqlite3``. Fixes arrive round-robin over the users, so nearly every row
-lands on another leaf page of the ``(user_id, t)`` key; with pages of 32 KiB instead of SQLite's 4 KiB
-the key's B-tree has an eighth of the pages and SQLite's work per inserted row (page lookups, splits,
-write-ahead log frames) drops by about 40 % (docs/mqtt.md, "MQTT intake, run 5")."""
-
-MOVEMENT_FILE = SqliteFile("movement.sqlite3", (FIXES, WINDOWS), page_size=MOVEMENT_PAGE_SIZE)
+MOVEMENT_FILE = SqliteFile("movement.sqlite3", (FIXES, WINDOWS))
 QUERYLOG_FILE = SqliteFile("querylog.sqlite3", (FORWARDED,))
 DATA_FILES = (PROFILES_FILE, MOVEMENT_FILE, QUERYLOG_FILE)
 
@@ -230,7 +222,6 @@ __all__ = [
     "FIXES",
     "FORWARDED",
     "MOVEMENT_FILE",
-    "MOVEMENT_PAGE_SIZE",
     "PROFILES",
     "PROFILES_FILE",
     "QUERYLOG_FILE",

@@ -123,32 +123,6 @@ def test_acknowledged_fixes_survive_kill_9(tmp_path: Path) -> None:
     assert {f"u{b}" for b in range(acked + 1)} <= users
 
 
-async def test_a_new_movement_file_has_32_kib_pages_and_an_old_one_keeps_its_own(tmp_path: Path) -> None:
-    """A new ``movement.sqlite3`` is created with 32 KiB pages (cheaper inserts); a file created before,
-    with SQLite's 4 KiB pages and the contract's DDL, is opened, written and read as it was."""
-    old = tmp_path / "old.sqlite3"
-    conn = sqlite3.connect(old, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("CREATE TABLE fixes(user_id TEXT, t REAL, lat REAL, lon REAL, PRIMARY KEY (user_id, t))")
-    conn.execute("CREATE INDEX fixes_t ON fixes(t)")
-    conn.execute("INSERT INTO fixes VALUES ('old', 1.0, 39.9, 116.4)")
-    conn.close()
-    rows = [(f"u{i}", float(t), 39.9, 116.4) for i in range(300) for t in range(20)]
-    for path in (tmp_path / "new.sqlite3", old):
-        store = MovementStore(path)
-        await store.append(rows)
-        store.close()
-    pages = {}
-    for path in (tmp_path / "new.sqlite3", old):
-        conn = sqlite3.connect(path)
-        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-        pages[path.name] = conn.execute("PRAGMA page_size").fetchone()[0]
-        stored = conn.execute("SELECT user_id, t, lat, lon FROM fixes WHERE user_id != 'old' ORDER BY t, user_id")
-        assert stored.fetchall() == sorted(rows, key=lambda r: (r[1], r[0]))
-        conn.close()
-    assert pages == {"new.sqlite3": 32768, "old.sqlite3": 4096}
-
-
 async def test_housekeeping_survives_a_failed_retention(http_broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store error during retention is logged and retried next period; the broker keeps running."""
     pipeline = http_broker.pipeline
