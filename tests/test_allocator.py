@@ -61,3 +61,56 @@ def test_a_fixed_mmap_threshold_returns_freed_view_arrays() -> None:
 
 def test_malloc_trim_returns_freed_view_arrays() -> None:
     assert _released_mb("trim") > 70
+
+
+# asyncio's socket transports read with ``recv(max_size)``: a new bytes object of max_size (256 KiB),
+# shrunk to what arrived. Ten such reads are held, and glibc's count of blocks mapped on their own
+# (mallinfo2().hblks) is read before and after: with the broker's allocator settings none of them
+# may be a mapping of its own (each would cost an mmap, a page fault, an mremap and a munmap).
+_READS = r"""
+import asyncio.selector_events, ctypes, json, socket, sys
+from kcloak.broker.memory import tune_allocator
+from kcloak.core import memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+if not hasattr(libc, "mallinfo2"):
+    print(json.dumps(None))
+    sys.exit(0)
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "broker":
+    assert tune_allocator() is True
+else:
+    assert memory.fix_mmap_threshold(int(sys.argv[1])) is True
+max_size = asyncio.selector_events._SelectorSocketTransport.max_size
+a, b = socket.socketpair()
+before = libc.mallinfo2().hblks
+held = []
+for i in range(10):
+    a.sendall(b'{"t": 1700000000.5, "lat": 37.7749, "lon": -122.4194}')
+    held.append(b.recv(max_size))
+print(json.dumps({"mapped": libc.mallinfo2().hblks - before, "max_size": max_size}))
+"""
+
+
+def _mapped_reads(setting: str) -> int | None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _READS, setting], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    result = json.loads(out.stdout)
+    if result is None:
+        pytest.skip("this glibc has no mallinfo2 (2.33 or later)")
+    return int(result["mapped"])
+
+
+def test_socket_reads_are_not_mapped_one_by_one_under_the_brokers_settings() -> None:
+    assert _mapped_reads("broker") == 0
+
+
+def test_socket_reads_were_mapped_one_by_one_at_glibcs_initial_threshold() -> None:
+    # the condition the threshold was raised for: at 128 KiB every read is a mapping of its own
+    assert _mapped_reads(str(128 * 1024)) == 10
