@@ -164,6 +164,7 @@ def request_handler(
     pipeline, config, tokens = app[PIPELINE], app[CONFIG], app.get(TOKENS)
     fix_path = _FIX_PATH.fullmatch
     fix_answered = counter.labels(FIX_ROUTE, "POST", "200")  # the hot path's series, looked up once
+    fix_received = metrics.messages.labels("http", "update")
 
     async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
         status = 500
@@ -175,7 +176,7 @@ def request_handler(
                 user = found.group(1)
                 if tokens is not None:
                     request[AUTH_USER] = _bearer_user(request, tokens, user)
-                resp: web.StreamResponse = await _post_location(request, user, pipeline, config)
+                resp: web.StreamResponse = await _post_location(request, user, pipeline, config, fix_received)
             else:
                 resp = await handle(request)  # type: ignore[arg-type]  # the runner's requests are web.Requests
             status = resp.status
@@ -329,14 +330,17 @@ async def post_location(request: web.Request) -> web.Response:
     return await _post_location(request, _user(request), request.app[PIPELINE], request.app[CONFIG])
 
 
-async def _post_location(request: web.BaseRequest, user: str, pipeline: Pipeline, cfg: Config) -> web.Response:
-    """A single fix of ``user`` (a valid user id: checked by the router's caller, or by :data:`_FIX_PATH`)."""
+async def _post_location(
+    request: web.BaseRequest, user: str, pipeline: Pipeline, cfg: Config, received: Any = None
+) -> web.Response:
+    """A single fix of ``user`` (a valid user id: checked by the router's caller, or by :data:`_FIX_PATH`);
+    ``received``: the ``kcloak_messages`` series it counts into, if already looked up."""
     raw = await _raw_body(request, cfg.limits.body_bytes, cfg.http.body_timeout_s)
     # A well-formed fix is decoded and checked in one pass; anything else takes the full path,
     # which names the reason (a body that is not JSON, or the field and rule a fix breaks).
     fix = decode_fix(raw)
     body = _parse_body(raw) if fix is None else None
-    pipeline.metrics.messages.labels("http", "update").inc()
+    (received or pipeline.metrics.messages.labels("http", "update")).inc()
     if fix is None:
         try:
             fix, _ = parse_fix(body)
