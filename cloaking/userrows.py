@@ -135,22 +135,26 @@ class UserRows:
 
     def find(self, user: str) -> int | None:
         """:meth:`get` through the table (then kept in ``hot``)."""
-        h = hash(user)
+        slot = self._slot(user, hash(user))
+        if slot < 0:
+            return None
+        row = self._table[slot]
+        hot = self.hot
+        if len(hot) >= self.hot_max:
+            hot.clear()
+        hot[user] = row
+        return row
+
+    def _slot(self, user: str, h: int) -> int:
+        """The table slot holding ``user`` (whose hash is ``h``), or -1 if it is not held."""
         table, hashes, mask = self._table, self._hash, self._mask
         slot = h & mask
         while True:
             row = table[slot]
-            if row >= 0:
-                if hashes[row] == h:
-                    s = self._start[row]
-                    if self._buf[s : s + self._size[row]] == user.encode("utf-8", "surrogatepass"):
-                        hot = self.hot
-                        if len(hot) >= self.hot_max:
-                            hot.clear()
-                        hot[user] = row
-                        return row
-            elif row == _EMPTY:
-                return None
+            if row == _EMPTY:
+                return -1
+            if row >= 0 and hashes[row] == h and self._holds(row, user):
+                return slot
             slot = (slot + 1) & mask
 
     def _holds(self, row: int, user: str) -> bool:
@@ -206,17 +210,11 @@ class UserRows:
 
     def remove(self, user: str) -> int | None:
         """Forget ``user``; returns its row (None if not held)."""
-        h = hash(user)
-        table, hashes, mask = self._table, self._hash, self._mask
-        slot = h & mask
-        while True:
-            row = table[slot]
-            if row == _EMPTY:
-                return None
-            if row >= 0 and hashes[row] == h and self._holds(row, user):
-                break
-            slot = (slot + 1) & mask
-        table[slot] = _GONE
+        slot = self._slot(user, hash(user))
+        if slot < 0:
+            return None
+        row = self._table[slot]
+        self._table[slot] = _GONE
         self._count -= 1
         self.hot.pop(user, None)
         self._garbage += self._size[row]
