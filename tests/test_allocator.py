@@ -73,8 +73,8 @@ from kcloak.broker.memory import tune_allocator
 from kcloak.core import memory
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                      "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 libc = ctypes.CDLL("libc.so.6")
 if not hasattr(libc, "mallinfo2"):
