@@ -513,15 +513,6 @@ def read_fix_columns(conn: sqlite3.Connection, t0: float, t1: float, *, chunk: i
     return FixTable(users[:at], t[:at], lat[:at], lon[:at])
 
 
-MOVEMENT_CHECKPOINT_PAGES = 10_000
-"""Pages of write-ahead log after which a commit to ``movement.sqlite3`` copies them into the file
-(``wal_autocheckpoint``; SQLite's default is 1,000). Fixes arrive round-robin over users, so nearly
-every row dirties the last leaf of its user in the ``(user_id, t)`` key: over 1,000 pages few leaves
-were written twice, over 10,000 many are, and each is copied once. Replay of 40,000 MQTT fixes/s to
-10,000 users: writer thread 3.4 -> 2.8 CPU-µs and 1,900 -> 1,320 bytes written per fix. The log then
-reaches about 40 MiB before it restarts (:data:`WAL_SIZE_LIMIT_BYTES` cuts it back)."""
-
-
 class MovementStore:
     """``movement.sqlite3``: every accepted fix (the write-ahead history) and window states."""
 
@@ -537,7 +528,6 @@ class MovementStore:
     ) -> None:
         self.path = path
         self._conn = open_db(path, MOVEMENT_FILE)
-        self._conn.execute(f"PRAGMA wal_autocheckpoint={MOVEMENT_CHECKPOINT_PAGES}")
         self._read = sqlite3.connect(path, check_same_thread=False)
         self._read_lock = threading.Lock()
         self.writer = GroupCommitWriter(
