@@ -1025,7 +1025,7 @@ def shortfall(n_present: int, k: int) -> CloakResult:
 BATCH_SLICE = 4096
 """Requests per slice of a quadtree ``cloak_batch``. The batch is put in code order once, then
 worked through in slices: every temporary column of a slice (≤ 32 KiB of int64) stays below the
-allocator's mmap threshold (512 KiB, :func:`kcloak.core.memory.fix_mmap_threshold`), so it is
+allocator's mmap threshold (128 KiB, :func:`kcloak.core.memory.fix_mmap_threshold`), so it is
 neither mapped nor faulted in afresh, and stays in the CPU cache. Whole-batch columns of 20,000
 requests were each mapped and unmapped again, which doubled the batch's CPU time."""
 

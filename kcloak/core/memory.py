@@ -20,14 +20,8 @@ import ctypes.util
 import functools
 import platform
 
-MMAP_THRESHOLD = 512 * 1024
-"""Blocks from this size up are mapped on their own and unmapped when freed.
-
-Above asyncio's socket read buffer: a transport reads with ``recv`` into a new bytes object of its
-``max_size`` (256 KiB), then shrinks it to what arrived. At glibc's initial 128 KiB every read of
-every connection was an ``mmap``, a page fault, an ``mremap`` and, when the data was freed, a
-``munmap`` (measured: HTTP single fixes 12–17k/s against 18–19k/s at 512 KiB, the kernel's time per
-fix 18–36 µs against 7). View arrays at a million users (1–8 MB) stay well above it."""
+MMAP_THRESHOLD = 128 * 1024
+"""Blocks from this size up are mapped on their own and unmapped when freed (glibc's initial value)."""
 
 _M_MMAP_THRESHOLD = -3  # malloc.h
 _M_ARENA_MAX = -8
