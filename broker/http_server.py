@@ -38,6 +38,7 @@ from kcloak.broker.pipeline import FIX_CHUNK, Duplicate, Pipeline, QueryRejected
 from kcloak.broker.publication import WindowPublisher
 from kcloak.broker.stores import StoreError
 from kcloak.core.logs import log_event
+from kcloak.core.memory import bound_socket_reads
 from kcloak.core.profile import ProfileError, ReasonCode
 from kcloak.wire.payloads import (
     USER_ID_RULE,
@@ -788,6 +789,10 @@ class _ConnectionHandler(web.RequestHandler):
     def __init__(self, manager: web.Server, *, metrics: Metrics, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._metrics = metrics
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        bound_socket_reads(transport)
 
     def handle_error(
         self,

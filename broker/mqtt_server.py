@@ -27,6 +27,7 @@ from kcloak import __version__
 from kcloak.broker.auth import TokenStore
 from kcloak.broker.metrics import Metrics
 from kcloak.core.logs import log_event
+from kcloak.core.memory import bound_socket_reads
 from kcloak.wire.mqtt_codec import (
     CONNECT,
     DISCONNECT,
@@ -241,6 +242,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
         self.transport = cast(asyncio.Transport, transport)
+        bound_socket_reads(transport)
         server = self.server
         if len(server._conns) >= server.max_connections:
             server._refused("too_many_connections")
