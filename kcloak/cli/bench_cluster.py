@@ -429,7 +429,8 @@ class Deployment:
             for replicas in (1, 3):
                 name, subject = f"BENCH_YARDSTICK_R{replicas}", f"kcloak.bench.yardstick.r{replicas}"
                 await js.add_stream(name=name, subjects=[subject], num_replicas=replicas)
-                await js.publish(subject, b"{}", stream=name)  # placement settled before the clock starts
+                await _first_publish(js, subject, name)  # placement settled before the clock starts
+                base = (await js.stream_info(name)).state.messages
                 i0, t0 = _cpu(nats_pids), time.monotonic()
                 await asyncio.sleep(2.0)
                 idle = (_cpu(nats_pids) - i0) / (time.monotonic() - t0)
@@ -438,7 +439,7 @@ class Deployment:
                     chunk = payloads[start : start + 500]
                     await asyncio.gather(*(js.publish(subject, p, stream=name) for p in chunk))
                 cpu, took = _cpu(nats_pids) - c0, time.monotonic() - t0
-                stored = (await js.stream_info(name)).state.messages - 1
+                stored = (await js.stream_info(name)).state.messages - base
                 await js.delete_stream(name)
                 n = max(1, stored)
                 out[f"r{replicas}_nats_cpu_us_per_fix"] = round(cpu / n * 1e6, 1)
@@ -648,6 +649,26 @@ def measure_one(
             return _drive(args, Load.of(args, workers), dep, population, log)
         finally:
             dep.stop()
+
+
+async def _first_publish(js: Any, subject: str, stream: str, timeout_s: float = 15.0) -> None:
+    """A new stream's first message, retried until the stream answers: ``add_stream`` returns before
+    a replicated stream has a leader, and a publish meanwhile finds no responder (seen in CI)."""
+    import asyncio
+
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeoutError
+    from nats.js.errors import NoStreamResponseError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await js.publish(subject, b"{}", stream=stream)
+            return
+        except (NoRespondersError, NoStreamResponseError, NatsTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def _cpu(pids: list[int]) -> float:
