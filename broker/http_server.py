@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from prometheus_client import Counter
 
 from kcloak import __version__
 from kcloak.broker.auth import TokenStore
@@ -332,7 +333,7 @@ async def post_location(request: web.Request) -> web.Response:
 
 
 async def _post_location(
-    request: web.BaseRequest, user: str, pipeline: Pipeline, cfg: Config, received: Any = None
+    request: web.BaseRequest, user: str, pipeline: Pipeline, cfg: Config, received: Counter | None = None
 ) -> web.Response:
     """A single fix of ``user`` (a valid user id: checked by the router's caller, or by :data:`_FIX_PATH`);
     ``received``: the ``kcloak_messages`` series it counts into, if already looked up."""
