@@ -139,7 +139,8 @@ class FixIntake:
         previous: dict[str, float | None] = {}
         pending, applied_t = self._pending_t, self.positions.index.latest_t  # as _last_t, inlined: per fix
         buckets = self._update_buckets
-        take, bucket_now = buckets.take, buckets.clock()
+        bucket_now = buckets.clock()
+        take = buckets.taker(bucket_now)
         add_row, add_where = rows.append, where.append
         if self.closing:  # nothing below awaits: it cannot change during the loop
             codes = [ReasonCode.SHUTDOWN] * len(items)
@@ -160,32 +161,40 @@ class FixIntake:
             if t < oldest:
                 codes[i] = ReasonCode.TOO_OLD
                 continue
-            last = pending.get(user)
-            if last is None:
-                last = applied_t(user)
+            held = pending.get(user)
+            last = held if held is not None else applied_t(user)
             if last is not None and t <= last:
                 codes[i] = ReasonCode.OUT_OF_ORDER
                 continue
-            if not take(user, now=bucket_now):
+            if not take(user):
                 codes[i] = ReasonCode.RATE_LIMITED
                 continue
             if user not in previous:
-                previous[user] = pending.get(user)
+                previous[user] = held
             pending[user] = t
             add_row((user, t, fix.lat, fix.lon))
             add_where(i)
+        buckets.prune(bucket_now)
         if rows and not self.movement.writer.try_reserve(len(rows)):
             self._refuse(codes, where, previous)
             rows = []
         if rows:
+            mine = {user: pending[user] for user in previous}  # the times this call set
             try:
                 await self.movement.append(rows, reserved=True, urgent=urgent)
             except Exception:
                 log_event(log, "store_write_failed", logging.ERROR, store="movement", fixes=len(rows))
                 self._refuse(codes, where, previous)
                 rows = []
+        if rows:
             self.positions.apply(rows)
-        self._settle(previous)
+            # The positions now hold each of these users' times: a pending time still the one this
+            # call set is done with (a later call's newer one stays until that call is applied).
+            for user, t in mine.items():
+                if pending.get(user) is t:
+                    del pending[user]
+        else:
+            self._settle(previous)
         n_ok = len(rows)
         if n_ok:
             self.metrics.updates_accepted.labels(transport=transport, source=source).inc(n_ok)

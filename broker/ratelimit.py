@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +51,32 @@ class TokenBuckets:
     def clock(self) -> float:
         """The time the buckets are filled by (for :meth:`take`'s ``now``)."""
         return self._clock()
+
+    def taker(self, now: float) -> Callable[[str], bool]:
+        """:meth:`take` of one token at time ``now``, for a run of takes within one event-loop turn
+        (the intake's per-fix check): the same outcome as ``take(key, now=now)`` key by key, without
+        its attribute lookups per call. Pruning waits for the run's end: call :meth:`prune` then."""
+        rate = self.rate
+        if rate <= 0:
+            return partial(self.take, now=now)
+        state, burst, step = self._state, self.burst, 1 / rate
+        get = state.get
+
+        def take(key: str) -> bool:
+            full_at = get(key)
+            if full_at is None or full_at < now:
+                full_at = now
+            if burst - (full_at - now) * rate < 1:
+                return False
+            state[key] = full_at + step
+            return True
+
+        return take
+
+    def prune(self, now: float) -> None:
+        """Forget the full buckets if there are more than the bound (after a run of :meth:`taker`)."""
+        if len(self._state) > self._prune_above:
+            self._prune(now)
 
     def _prune(self, now: float) -> None:
         for key in [k for k, full_at in self._state.items() if full_at <= now]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kcloak.broker import ratelimit
 from kcloak.broker.ratelimit import TokenBuckets
@@ -84,3 +86,28 @@ def test_pruning_stays_cheap_when_few_buckets_are_full(monkeypatch: pytest.Monke
     for i in range(2000):
         b.take(f"v{i}")
     assert not any(key.startswith("u") for key in b._state)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.sampled_from([0.0, 0.5, 1.0, 3.0, 20.0]),
+    burst=st.integers(1, 5),
+    turns=st.lists(
+        st.tuples(st.floats(0.0, 2.0), st.lists(st.sampled_from(["ann", "bob", "cid"]), max_size=12)),
+        max_size=8,
+    ),
+)
+def test_a_run_of_takes_decides_as_take_does_key_by_key(
+    rate: float, burst: int, turns: list[tuple[float, list[str]]]
+) -> None:
+    """The intake's per-turn taker gives, key by key, the outcome and bucket state of ``take``."""
+    clock_a, clock_b = Clock(), Clock()
+    one, run = TokenBuckets(rate, burst, clock=clock_a), TokenBuckets(rate, burst, clock=clock_b)
+    for advance, keys in turns:
+        clock_a.t += advance
+        clock_b.t += advance
+        now = run.clock()
+        take = run.taker(now)
+        assert [take(k) for k in keys] == [one.take(k, now=now) for k in keys]
+        run.prune(now)
+        assert run._state == one._state
