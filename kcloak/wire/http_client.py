@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
+from kcloak.core.memory import bound_socket_reads
 from kcloak.wire.errors import WireError
 
 DEFAULT_MAX_HEAD = 64 * 1024
@@ -335,6 +336,7 @@ class HttpPool:
         except BaseException:
             self._slots.release()
             raise
+        bound_socket_reads(writer.transport)
         return _Connection(reader, writer)
 
     def _release(self, conn: _Connection, keep: bool) -> None:

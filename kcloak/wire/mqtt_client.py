@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, cast
 
 from kcloak.core.logs import log_event
+from kcloak.core.memory import bound_socket_reads
 from kcloak.wire.errors import WireError
 from kcloak.wire.mqtt_codec import (
     DISCONNECT_PACKET,
@@ -378,6 +379,7 @@ class MqttClient(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
         self._transport = cast(asyncio.Transport, transport)
+        bound_socket_reads(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         err = self.error or MqttError("MQTT connection lost")
