@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import urlsplit
 
-from kcloak.core.memory import bound_socket_reads
 from kcloak.wire.errors import WireError
+from kcloak.wire.reads import BufferedStreamProtocol
 
 DEFAULT_MAX_HEAD = 64 * 1024
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -323,20 +323,25 @@ class HttpPool:
                 if conn.usable():
                     return conn
                 conn.close()
-            reader, writer = await asyncio.open_connection(
+            # asyncio.open_connection, with a protocol that reads into a buffer of its own
+            # (kcloak.wire.reads: no allocation per read).
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader(limit=self.max_head, loop=loop)
+            protocol = BufferedStreamProtocol(reader, loop=loop)
+            transport, _ = await loop.create_connection(
+                lambda: protocol,
                 self.host,
                 self.port,
                 ssl=self._ssl,
                 server_hostname=self.host if self._ssl is not None else None,
-                limit=self.max_head,
             )
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         except (OSError, ssl_module.SSLError) as exc:
             self._slots.release()
             raise HttpConnectionError(f"cannot connect ({exc.strerror or type(exc).__name__})") from None
         except BaseException:
             self._slots.release()
             raise
-        bound_socket_reads(writer.transport)
         return _Connection(reader, writer)
 
     def _release(self, conn: _Connection, keep: bool) -> None:

@@ -24,7 +24,6 @@ from types import TracebackType
 from typing import Any, cast
 
 from kcloak.core.logs import log_event
-from kcloak.core.memory import bound_socket_reads
 from kcloak.wire.errors import WireError
 from kcloak.wire.mqtt_codec import (
     DISCONNECT_PACKET,
@@ -39,6 +38,7 @@ from kcloak.wire.mqtt_codec import (
     publish_head,
     read_header,
 )
+from kcloak.wire.reads import scratch
 
 log = logging.getLogger("kcloak.mqtt")
 
@@ -79,7 +79,7 @@ class Backoff:
         await asyncio.sleep(delay)
 
 
-class MqttClient(asyncio.Protocol):
+class MqttClient(asyncio.BufferedProtocol):
     """One MQTT 3.1.1 connection (async context manager): entering connects and waits for the
     CONNACK, leaving stops the keep-alive and disconnects, whatever happened inside. One object
     serves one connection; reconnecting is a new object (see :class:`Backoff`).
@@ -379,7 +379,6 @@ class MqttClient(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
         self._transport = cast(asyncio.Transport, transport)
-        bound_socket_reads(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         err = self.error or MqttError("MQTT connection lost")
@@ -406,7 +405,14 @@ class MqttClient(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return scratch()  # no allocation per read (kcloak.wire.reads)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(scratch()[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """What arrived (a view of the read buffer, copied into ``_buf`` before anything else)."""
         if self._skip:
             if len(data) <= self._skip:
                 self._skip -= len(data)
