@@ -69,7 +69,8 @@ def release_free_memory() -> bool:
 
 
 SOCKET_READ_BYTES = 64 * 1024
-"""Most bytes a connection of kcloak's reads at once (:func:`bound_socket_reads`): below :data:`MMAP_THRESHOLD`."""
+"""Most bytes a server connection reads at once (:func:`bound_socket_reads`): below :data:`MMAP_THRESHOLD`.
+kcloak's clients read into a buffer of their own instead (:mod:`kcloak.wire.reads`)."""
 
 
 def bound_socket_reads(transport: object, nbytes: int = SOCKET_READ_BYTES) -> bool:
