@@ -52,6 +52,7 @@ class HttpConfig:
     # arrived within body_timeout_s.
     head_timeout_s: float = _c(10.0, "extension: close without a complete request head")
     body_timeout_s: float = _c(30.0, "extension: close without a complete body")
+    fast_fixes: bool = _c(True, "extension: single fixes without aiohttp's request objects")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractAccessLogger
@@ -51,6 +51,9 @@ from kcloak.wire.payloads import (
     parse_json_object,
     valid_user_id,
 )
+
+if TYPE_CHECKING:
+    from kcloak.broker.http_fast import FastFixes
 
 log = logging.getLogger("kcloak.http")
 access_logger = logging.getLogger("kcloak.access")
@@ -109,19 +112,29 @@ class HttpError(BrokerError):
         self.close = close
 
 
-def error_response(
+def error_parts(
     code: ReasonCode, message: str, *, field: str | None = None, query_id: str | None = None
-) -> web.Response:
+) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
+    """The contract's error answer for ``code``: its status, its JSON body and its extra headers."""
     err: dict[str, Any] = {"code": code.value, "message": message}
     if field is not None:
         err["field"] = field
     if query_id is not None:
         err["query_id"] = query_id
-    resp = web.json_response({"error": err}, status=_STATUS.get(code, 400))
+    extra: tuple[tuple[str, str], ...] = ()
     if code is ReasonCode.UNAUTHORIZED:
-        resp.headers["WWW-Authenticate"] = "Bearer"
+        extra = (("WWW-Authenticate", "Bearer"),)
     elif code is ReasonCode.RATE_LIMITED or code in (ReasonCode.OVERLOADED, ReasonCode.SHUTDOWN):
-        resp.headers["Retry-After"] = "1"
+        extra = (("Retry-After", "1"),)
+    return _STATUS.get(code, 400), json.dumps({"error": err}).encode(), extra
+
+
+def error_response(
+    code: ReasonCode, message: str, *, field: str | None = None, query_id: str | None = None
+) -> web.Response:
+    status, body, extra = error_parts(code, message, field=field, query_id=query_id)
+    resp = web.Response(body=body, status=status, content_type="application/json", charset="utf-8")
+    resp.headers.extend(extra)
     return resp
 
 
@@ -140,7 +153,7 @@ def _method_label(method: str) -> str:
     return method if method in _METHODS else "other"
 
 
-def _frames(exc: BaseException) -> list[str]:
+def error_frames(exc: BaseException) -> list[str]:
     """Where an exception was raised, as ``file:line function`` frames: no message, no source
     line, no locals (any of them could hold a submitted value)."""
     return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[-12:]]
@@ -204,7 +217,7 @@ def request_handler(
             status = resp.status
             return resp
         except Exception as exc:  # a bug: the contract's 500, never aiohttp's plain text
-            route, error, stack = _route_template(request), type(exc).__name__, _frames(exc)
+            route, error, stack = _route_template(request), type(exc).__name__, error_frames(exc)
             log_event(log, "http_handler_failed", logging.ERROR, route=route, error=error, stack=stack)
             resp = error_response(ReasonCode.INTERNAL, "internal error")
             status = resp.status
@@ -252,10 +265,13 @@ async def auth_middleware(
 
 
 def _bearer_user(request: web.BaseRequest, tokens: TokenStore, path_user: str | None) -> str:
-    """The user of the request's bearer token: 401 without a valid one, 403 if the path names
-    another user."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+    return bearer_user(request.headers.get("Authorization", ""), tokens, path_user)
+
+
+def bearer_user(authorization: str, tokens: TokenStore, path_user: str | None) -> str:
+    """The user of the bearer token in an ``Authorization`` header's value: 401 without a valid
+    one, 403 if the path names another user."""
+    scheme, _, token = authorization.partition(" ")
     user = tokens.user_of(token.strip()) if scheme.lower() == "bearer" else None
     if user is None:
         raise HttpError(ReasonCode.UNAUTHORIZED, "a valid bearer token is required")
@@ -338,6 +354,15 @@ async def _post_location(
     """A single fix of ``user`` (a valid user id: checked by the router's caller, or by :data:`_FIX_PATH`);
     ``received``: the ``kcloak_messages`` series it counts into, if already looked up."""
     raw = await _raw_body(request, cfg.limits.body_bytes, cfg.http.body_timeout_s)
+    body, charset = fix_answer(await submit_fix(raw, user, pipeline, received))
+    return web.Response(body=body, content_type="application/json", charset=charset)
+
+
+def submit_fix(
+    raw: bytes, user: str, pipeline: Pipeline, received: Counter | None = None
+) -> Awaitable[ReasonCode | None]:
+    """Decode and submit the single fix of body ``raw`` (its outcome, as
+    :meth:`Pipeline.decide_fix`); raises :class:`HttpError` for a body that is not a fix."""
     # A well-formed fix is decoded and checked in one pass; anything else takes the full path,
     # which names the reason (a body that is not JSON, or the field and rule a fix breaks).
     fix = decode_fix(raw)
@@ -349,18 +374,27 @@ async def _post_location(
         except InvalidInput as exc:
             pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
             raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
-    code = await pipeline.decide_fix("http", user, fix)
+    return pipeline.decide_fix("http", user, fix)
+
+
+_FIX_REFUSALS = {
+    ReasonCode.INVALID: "t: more than max_clock_skew_s in the future",
+    ReasonCode.RATE_LIMITED: "update rate limit reached",
+    ReasonCode.OVERLOADED: "the movement store queue is full",
+    ReasonCode.SHUTDOWN: "the broker is shutting down",
+}
+
+
+def fix_answer(code: ReasonCode | None) -> tuple[bytes, str | None]:
+    """The 200 answer (a JSON body, its charset) to a single fix decided ``code``; raises
+    :class:`HttpError` for a refusal that is an error answer."""
     if code is None:
-        return web.Response(body=ACCEPTED_ONE, content_type="application/json")
+        return ACCEPTED_ONE, None
     if code in (ReasonCode.TOO_OLD, ReasonCode.OUT_OF_ORDER):
-        return web.json_response({"accepted": 0, "rejected": [{"index": 0, "code": code.value}]})
-    messages = {
-        ReasonCode.INVALID: "t: more than max_clock_skew_s in the future",
-        ReasonCode.RATE_LIMITED: "update rate limit reached",
-        ReasonCode.OVERLOADED: "the movement store queue is full",
-        ReasonCode.SHUTDOWN: "the broker is shutting down",
-    }
-    raise HttpError(code, messages.get(code, "refused"), field="t" if code is ReasonCode.INVALID else None)
+        rejected = {"accepted": 0, "rejected": [{"index": 0, "code": code.value}]}
+        return json.dumps(rejected).encode(), "utf-8"
+    field = "t" if code is ReasonCode.INVALID else None
+    raise HttpError(code, _FIX_REFUSALS.get(code, "refused"), field=field)
 
 
 async def post_locations(request: web.Request) -> web.Response:
@@ -808,7 +842,7 @@ class _ConnectionHandler(web.RequestHandler):
             log_event(log, "http_request_malformed", logging.DEBUG, code=code.value, error=error)
         else:  # a handler failed outside the middleware (or timed out)
             code, text = ReasonCode.INTERNAL, "internal error"
-            stack = _frames(exc) if exc is not None else []
+            stack = error_frames(exc) if exc is not None else []
             log_event(log, "http_handler_failed", logging.ERROR, error=error, stack=stack)
         resp = error_response(code, text)
         self._metrics.http_requests.labels(route="unmatched", method="other", status=str(resp.status)).inc()
@@ -845,12 +879,16 @@ class HttpServer:
         head_timeout_s: float,
         metrics: Metrics,
         access_log: bool = False,
+        fast_fixes: bool = False,
     ) -> None:
         self._app = app
+        self._fast_fixes = fast_fixes
+        self._fast: FastFixes | None = None
         self._host = host
         self._port = port
         self._head_timeout_s = head_timeout_s
         self._metrics = metrics
+        self._access_log = access_log
         self._access_log_class = route_access_log(metrics, emit=access_log)
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -876,8 +914,22 @@ class HttpServer:
                 access_log_class=self._access_log_class,
             )
 
+        factory: Callable[[], asyncio.BaseProtocol] = connection
+        if self._fast_fixes:
+            from kcloak.broker.http_fast import FastFixes  # it imports this module's fix route
+
+            app = self._app
+            self._fast = FastFixes(
+                pipeline=app[PIPELINE],
+                config=app[CONFIG],
+                tokens=app.get(TOKENS),
+                metrics=self._metrics,
+                access_log=self._access_log,
+                handoff=connection,
+            )
+            factory = self._fast.connection
         try:
-            self._listener = await loop.create_server(connection, self._host, self._port, reuse_address=True)
+            self._listener = await loop.create_server(factory, self._host, self._port, reuse_address=True)
         except OSError:
             await runner.cleanup()
             raise
@@ -892,6 +944,9 @@ class HttpServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._fast is not None:
+            await self._fast.close(grace_s=1.0)  # as the runner's shutdown_timeout
+            self._fast = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

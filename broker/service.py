@@ -96,6 +96,7 @@ class Service:
             head_timeout_s=self.config.http.head_timeout_s,
             metrics=self.metrics,
             access_log=self.config.log.access,
+            fast_fixes=self.config.http.fast_fixes,
         )
         try:
             await self._stack.enter_async_context(server)

@@ -1,0 +1,200 @@
+"""``http.fast_fixes``: a broker serving single fixes with its own reader answers every request
+exactly as a broker serving everything through aiohttp.
+
+Two real brokers on loopback, one with the fast path and one without, get the same raw bytes on
+raw sockets (requests drawn as clients and attackers write them, a follow-up request on the same
+connection, pipelined sequences, bytes one at a time, stalled heads and bodies). Each answer is
+compared as a client reads it (status line, headers, body; only ``Date`` may differ), and so is
+whether the connection stays open after it. The reference is aiohttp's own handling of the same
+bytes, so the check shares no parsing and no rendering with the fast path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kcloak.broker.auth import TokenStore
+from kcloak.broker.service import Broker
+from kcloak.wire.tokens import parse_tokens
+from tests.broker.conftest import SpyUpstream, broker_config
+from tests.wire.fix_request_shapes import fix_requests
+
+TOKENS = "u1:tok1\nu2:tok2\nu3:tok3\nu4:tok4\n"
+_t = itertools.count()
+T0 = time.time() - 30
+
+
+def _body() -> bytes:
+    """A fix later than every fix sent before (both brokers then decide alike)."""
+    return f'{{"t": {T0 + next(_t) * 0.001!r}, "lat": 39.9, "lon": 116.4}}'.encode()
+
+
+def _plain(user: str, token: str, body: bytes) -> bytes:
+    return (
+        f"POST /v1/users/{user}/location HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+Answer = tuple[bytes, tuple[bytes, ...], bytes]
+
+
+async def _answers(
+    port: int | None, chunks: list[bytes], pause_s: float = 0.0, wait_s: float = 0.5
+) -> tuple[list[Answer], bool]:
+    """Send ``chunks`` on one connection; the answers read (status line, headers but ``Date``,
+    body) and whether the connection was closed by the broker within ``wait_s`` of the last one."""
+    assert port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answers: list[Answer] = []
+    closed = False
+    try:
+        for chunk in chunks:
+            writer.write(chunk)
+            if pause_s:
+                await asyncio.sleep(pause_s)
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
+            except TimeoutError:
+                break
+            except asyncio.IncompleteReadError as exc:
+                closed = True
+                assert exc.partial == b""
+                break
+            lines = head[:-4].split(b"\r\n")
+            headers = tuple(ln for ln in lines[1:] if not ln.lower().startswith(b"date:"))
+            lengths = [int(ln.partition(b":")[2]) for ln in lines[1:] if ln.lower().startswith(b"content-length:")]
+            length = lengths[0] if lengths else 0  # an interim answer (100 Continue) has no body
+            answers.append((lines[0], headers, await reader.readexactly(length)))
+    except ConnectionResetError:
+        closed = True
+    finally:
+        writer.close()
+    return answers, closed
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, spy: SpyUpstream) -> AsyncIterator[tuple[Broker, Broker]]:
+    tokens = TokenStore.from_lines(parse_tokens(TOKENS))
+    values = {"limits.update_burst": 1_000_000, "http.head_timeout_s": 1.0, "http.body_timeout_s": 0.6}
+    fast_cfg = broker_config(tmp_path / "fast", spy.url, **values)
+    slow_cfg = broker_config(tmp_path / "aiohttp", spy.url, **values, **{"http.fast_fixes": False})
+    async with Broker(config=fast_cfg, tokens=tokens) as fast, Broker(config=slow_cfg, tokens=tokens) as slow:
+        yield fast, slow
+
+
+async def _alike(pair: tuple[Broker, Broker], chunks: list[bytes], **kw: float) -> list[Answer]:
+    fast, slow = pair
+    fast_answers = await _answers(fast.http_port, chunks, **kw)
+    slow_answers = await _answers(slow.http_port, chunks, **kw)
+    assert fast_answers == slow_answers
+    return fast_answers[0]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), user=st.sampled_from(["u1", "u2", "u3", "u4"]))
+async def test_any_request_is_answered_as_aiohttp_answers_it(
+    pair: tuple[Broker, Broker], data: st.DataObject, user: str
+) -> None:
+    raw = data.draw(fix_requests(_body(), ["tok1", "tok2", "tok3", "nope"], user=user))
+    # The follow-up is written once the broker has read the request (aiohttp, fed a valid request
+    # and a malformed one in one read, answers only the malformed one: see the test below).
+    await _alike(pair, [raw, _plain("u1", "tok1", _body())], pause_s=0.03, wait_s=0.3)
+
+
+async def test_a_pipelined_mix_is_answered_in_order_alike(pair: tuple[Broker, Broker]) -> None:
+    early, late = _body(), _body()
+    chunks = [
+        _plain("u2", "tok2", late)
+        + _plain("u2", "tok2", early)  # out of order
+        + _plain("u2", "tok1", _body())  # another user's token: 403
+        + _plain("u2", "tok2", b'{"t": 1, "lat": 91, "lon": 0}')  # invalid
+        + b"GET /v1/users/u2/profile HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok2\r\n\r\n"
+        + _plain("u2", "tok2", _body())  # after the hand-over: aiohttp's
+    ]
+    answers = await _alike(pair, chunks)
+    assert [a[0].split(b" ")[1] for a in answers] == [b"200", b"200", b"403", b"400", b"200", b"200"]
+    assert b'"out_of_order"' in answers[1][2]
+
+
+async def test_a_fix_sent_byte_by_byte_is_answered_alike(pair: tuple[Broker, Broker]) -> None:
+    raw = _plain("u3", "tok3", _body())
+    answers = await _alike(pair, [raw[i : i + 1] for i in range(len(raw))], pause_s=0.001)
+    assert answers[0][0] == b"HTTP/1.1 200 OK" and answers[0][2] == b'{"accepted": 1, "rejected": []}'
+
+
+async def test_a_stalled_body_and_a_stalled_head_time_out_alike(pair: tuple[Broker, Broker]) -> None:
+    raw = _plain("u1", "tok1", _body())
+    fast, slow = pair
+    for chunks in ([raw[:-5]], [raw[:30]], [b""]):
+        started = time.monotonic()
+        got = await asyncio.gather(*(_answers(b.http_port, chunks, wait_s=2.5) for b in (fast, slow)))
+        assert got[0] == got[1]
+        assert got[0][1] is True  # closed by the broker
+        assert time.monotonic() - started < 2.5
+    answers, _ = got[0]
+    assert answers == []  # an idle connection is closed without an answer
+    body_timeout = (await _answers(fast.http_port, [raw[:-5]], wait_s=2.5))[0]
+    assert body_timeout[0][0] == b"HTTP/1.1 400 Bad Request" and b"Connection: close" in body_timeout[0][1]
+
+
+async def test_fast_fixes_count_and_store_as_the_routed_ones(pair: tuple[Broker, Broker]) -> None:
+    chunks = [_plain("u1", "tok1", _body()) for _ in range(20)] + [_plain("u1", "tok2", _body())]
+    await _alike(pair, [b"".join(chunks)])
+    for broker in pair:
+        text = broker.metrics.render().decode()
+        ok = 'kcloak_http_requests_total{method="POST",route="/v1/users/{user}/location",status="200"}'
+        assert f"{ok} 20.0" in text, text
+        assert 'route="/v1/users/{user}/location",status="403"} 1.0' in text
+    # Answered 200 only once committed: both movement files already hold the same rows.
+    rows = [_stored(b) for b in pair]
+    assert rows[0] == rows[1] and len(rows[0]) >= 20
+
+
+def _stored(broker: Broker) -> list[tuple[str, float, float, float]]:
+    conn = sqlite3.connect(Path(broker.config.storage.data_dir) / "movement.sqlite3")
+    try:
+        return sorted(conn.execute("SELECT user_id, t, lat, lon FROM fixes"))
+    finally:
+        conn.close()
+
+
+async def test_requests_sent_far_ahead_of_reading_are_all_answered_in_order(pair: tuple[Broker, Broker]) -> None:
+    """A client that writes 3,000 fixes (about 600 KB) before reading an answer: the broker stops
+    reading while its answers are not read, and answers every one once they are."""
+    for broker in pair:
+        reader, writer = await asyncio.open_connection("127.0.0.1", broker.http_port)
+        writer.write(b"".join(_plain("u4", "tok4", _body()) for _ in range(3000)))
+        await asyncio.sleep(0.5)
+        statuses = []
+        for _ in range(3000):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+            statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
+        writer.close()
+        assert statuses == [(b"200", b'{"accepted": 1, "rejected": []}')] * 3000
+
+
+async def test_a_fix_and_garbage_read_at_once_answer_the_fix_first(pair: tuple[Broker, Broker]) -> None:
+    """Where the fast path answers better than aiohttp: a fix and a malformed request arriving in
+    one read. aiohttp's parser drops the messages it parsed from a read that ends in an error, so
+    it answers only the 400; kcloak answers the fix, then hands the rest to aiohttp (the same 400
+    and close). Sent in two reads, both answer both (the test above)."""
+    fast, slow = pair
+    chunks = [_plain("u1", "tok1", _body()) + b"NOT HTTP\r\n\r\n"]
+    fast_answers, fast_closed = await _answers(fast.http_port, chunks)
+    slow_answers, slow_closed = await _answers(slow.http_port, chunks)
+    assert fast_closed and slow_closed
+    assert [a[0] for a in fast_answers] == [b"HTTP/1.1 200 OK", slow_answers[0][0]]
+    assert fast_answers[1] == slow_answers[0] and len(slow_answers) == 1
+    assert b"malformed HTTP request" in slow_answers[0][2]
