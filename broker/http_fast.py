@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import cast
 
 from aiohttp.http import SERVER_SOFTWARE
 from prometheus_client import Counter
@@ -163,8 +164,8 @@ class FixConnection(asyncio.BufferedProtocol):
 
     # -- asyncio's calls -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # as aiohttp's connections

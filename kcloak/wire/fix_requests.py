@@ -5,7 +5,8 @@ door's fast path (:mod:`kcloak.broker.http_fast`).
 ``POST /v1/users/{user}/location HTTP/1.1`` with a user id as the contract writes it, then header
 lines of a token name, a colon and a value of visible ASCII (spaces and tabs within), each ended
 by CRLF, with exactly one ``Content-Length`` (digits, no sign, no leading zero), exactly one
-``Content-Type: application/json``, at most one ``Authorization``, ``Host`` and ``Connection``
+``Content-Type`` of ``application/json`` (any case, at most a ``charset=utf-8`` parameter, as
+phone apps' HTTP libraries send it), at most one ``Authorization``, ``Host`` and ``Connection``
 (``keep-alive`` or ``close``), and none of ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or
 ``Content-Encoding``. For every head it accepts, the user, the body's length, the token and
 whether the connection stays open are what a full HTTP/1.1 parser reads from the same bytes
@@ -33,6 +34,7 @@ DECLINE: Final = "decline"
 _PREFIX = b"POST /v1/users/"
 _LINE = re.compile(rb"POST /v1/users/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/location HTTP/1\.1")
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
+_JSON = re.compile(rb'application/json(?:[ \t]*;[ \t]*charset=(?:utf-8|"utf-8"))?', re.IGNORECASE)
 _LENGTH = re.compile(rb"0|[1-9][0-9]{0,8}")
 _OUTSIDE_A_LINE = re.compile(rb"[^\x20-\x7e\t]")
 _REFUSED = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"content-encoding"})
@@ -72,7 +74,8 @@ def read_fix_head(buf: bytes | bytearray, limit: int) -> FixHead | str:
     length = seen.get(b"content-length")
     if length is None or _LENGTH.fullmatch(length) is None or int(length) > limit:
         return DECLINE
-    if seen.get(b"content-type") != b"application/json":
+    content_type = seen.get(b"content-type")
+    if content_type is None or _JSON.fullmatch(content_type) is None:
         return DECLINE
     connection = seen.get(b"connection", b"keep-alive").lower()
     if connection not in (b"keep-alive", b"close"):

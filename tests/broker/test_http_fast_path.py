@@ -198,3 +198,29 @@ async def test_a_fix_and_garbage_read_at_once_answer_the_fix_first(pair: tuple[B
     assert [a[0] for a in fast_answers] == [b"HTTP/1.1 200 OK", slow_answers[0][0]]
     assert fast_answers[1] == slow_answers[0] and len(slow_answers) == 1
     assert b"malformed HTTP request" in slow_answers[0][2]
+
+
+def test_the_fast_path_and_its_hand_over_on_uvloop(tmp_path: Path) -> None:
+    """``KCLOAK_EVENT_LOOP=uvloop``: uvloop's transports (not asyncio.Transport subclasses) read
+    into the buffer, pause, and change protocol at the hand-over as asyncio's do."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> tuple[list[bytes], int]:
+        tokens = TokenStore.from_lines(parse_tokens(TOKENS))
+        cfg = broker_config(tmp_path, "http://127.0.0.1:9", **{"limits.update_burst": 1_000_000})
+        async with Broker(config=cfg, tokens=tokens) as broker:
+            early, late = _body(), _body()
+            chunks = [
+                _plain("u2", "tok2", late)
+                + _plain("u2", "tok2", early)
+                + _plain("u2", "tok1", _body())
+                + b"GET /v1/users/u2/profile HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok2\r\n\r\n"
+                + _plain("u2", "tok2", _body())
+            ]
+            answers, _ = await _answers(broker.http_port, chunks)
+            ahead = await _answers(broker.http_port, [b"".join(_plain("u4", "tok4", _body()) for _ in range(2000))])
+            return [a[0] for a in answers], sum(a[0] == b"HTTP/1.1 200 OK" for a in ahead[0])
+
+    statuses, accepted = uvloop.run(scenario())
+    assert statuses == [b"HTTP/1.1 " + s for s in (b"200 OK", b"200 OK", b"403 Forbidden", b"200 OK", b"200 OK")]
+    assert accepted == 2000

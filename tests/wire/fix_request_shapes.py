@@ -61,7 +61,19 @@ _request_lines = st.sampled_from(
 
 _content_types = st.sampled_from(
     ["application/json"] * 8
-    + ["application/json; charset=utf-8", "Application/JSON", "text/plain", "application/json ;", ""]
+    + [
+        "application/json; charset=utf-8",
+        "application/json; charset=UTF-8",
+        "application/json;charset=utf-8",
+        'application/json; charset="utf-8"',
+        "application/json; charset=iso-8859-1",
+        "application/json; v=1",
+        "Application/JSON",
+        "application/jsonx",
+        "text/plain",
+        "application/json ;",
+        "",
+    ]
 )
 _connections = st.sampled_from(["keep-alive", "close", "Close", "KEEP-ALIVE", "keep-alive, close", "upgrade", ""])
 _extra_names = st.text(TOKEN_CHARS, min_size=1, max_size=12) | st.sampled_from(

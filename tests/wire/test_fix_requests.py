@@ -28,6 +28,7 @@ async def _echo(request: web.Request) -> web.Response:
         "version": list(request.version),
         "keep_alive": request.keep_alive,
         "authorization": request.headers.get("Authorization"),
+        "content_type": request.content_type,
         "body": body.decode("latin-1"),
     }
     return web.json_response(seen)
@@ -68,6 +69,7 @@ def _same_reading(head: FixHead, raw: bytes, seen: dict[str, object]) -> None:
     assert seen["version"] == [1, 1]
     assert seen["keep_alive"] is (not head.close)
     assert seen["authorization"] == head.authorization
+    assert seen["content_type"] == "application/json"  # what the aiohttp route takes
     assert seen["body"] == raw[head.end : head.end + head.length].decode("latin-1")
 
 
@@ -93,7 +95,7 @@ async def test_the_plain_forms_of_http_clients_are_accepted(
         "Host: 127.0.0.1:8470",
         "User-Agent: okhttp/4.12.0",
         "Accept-Encoding: gzip",
-        "Content-Type: application/json",
+        "Content-Type: application/json; charset=utf-8",  # OkHttp's, for a JSON string body
         f"Content-Length: {len(BODY)}",
     ]
     if auth is not None:
