@@ -98,7 +98,7 @@ class FastFixes:
         self.tokens = tokens
         self.handoff = handoff
         self.limit = config.limits.body_bytes
-        self.ahead_bytes = 2 * (MAX_HEAD_BYTES + self.limit)  # requests read ahead of the answers
+        self.ahead_bytes = MAX_HEAD_BYTES + self.limit  # requests read ahead of the answers: one at most
         self.head_timeout_s = config.http.head_timeout_s
         self.body_timeout_s = config.http.body_timeout_s
         self.received: Counter = metrics.messages.labels("http", "update")

@@ -480,6 +480,28 @@ async def test_oversize_publish_is_skipped_unbuffered_acknowledged_and_the_conne
     assert rec.calls == [("kcloak/v1/update/alice", b"{after}")]
 
 
+async def test_packets_larger_than_a_read_and_many_packets_per_read_arrive_whole() -> None:
+    """The server reads at most 64 KiB at a time (kcloak.core.memory.bound_socket_reads): a
+    PUBLISH of five reads' length sent in odd pieces, and 4,000 small PUBLISHes (about 150 KiB)
+    in one write, each reach dispatch byte for byte, in order."""
+    rec = Recorder()
+    async with running(rec) as srv:
+        c = await Raw.open(srv.port)
+        await c.connect("reads")
+        big_payload = bytes(range(256)) * (5 * 64 * 1024 // 256) + b"tail"
+        big = publish_packet("kcloak/v1/updates/alice", big_payload, pid=1)
+        for i in range(0, len(big), 40_001):
+            await c.send(big[i : i + 40_001])
+        assert await c.packet() == puback(1)
+        small = [b'{"n": %d}' % i for i in range(4000)]
+        await c.send(b"".join(publish_packet("kcloak/v1/update/alice", p, qos=0) for p in small))
+        await c.send(publish_packet("kcloak/v1/update/alice", b"{last}", pid=2))
+        assert await c.packet() == puback(2)
+        c.close()
+    assert rec.calls[0] == ("kcloak/v1/updates/alice", big_payload)
+    assert [p for _, p in rec.calls[1:]] == [*small, b"{last}"]
+
+
 # -- outbound: sessions, retransmission, bounds ---------------------------------------------------
 async def test_persistent_session_queues_while_offline_bounded_oldest_dropped() -> None:
     async with running(Recorder(), max_queued_messages=5) as srv:
