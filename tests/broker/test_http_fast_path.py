@@ -224,3 +224,34 @@ def test_the_fast_path_and_its_hand_over_on_uvloop(tmp_path: Path) -> None:
     statuses, accepted = uvloop.run(scenario())
     assert statuses == [b"HTTP/1.1 " + s for s in (b"200 OK", b"200 OK", b"403 Forbidden", b"200 OK", b"200 OK")]
     assert accepted == 2000
+
+
+async def test_refusals_are_answered_alike(tmp_path: Path, spy: SpyUpstream) -> None:
+    """The intake's refusals through both doors: rate limited (429, ``Retry-After``), a time in
+    the future (400 on ``t``), too old and out of order (200 with the fix rejected)."""
+    tokens = TokenStore.from_lines(parse_tokens(TOKENS))
+    values = {"limits.update_burst": 2, "limits.update_rate": 0.01}
+    fast_cfg = broker_config(tmp_path / "fast", spy.url, **values)
+    slow_cfg = broker_config(tmp_path / "aiohttp", spy.url, **values, **{"http.fast_fixes": False})
+    now = time.time()
+    bodies = [
+        f'{{"t": {now - 2}, "lat": 39.9, "lon": 116.4}}',
+        f'{{"t": {now - 3}, "lat": 39.9, "lon": 116.4}}',  # out of order
+        f'{{"t": {now + 3600}, "lat": 39.9, "lon": 116.4}}',  # in the future
+        f'{{"t": {now - 86400 * 30}, "lat": 39.9, "lon": 116.4}}',  # too old
+        f'{{"t": {now - 1}, "lat": 39.9, "lon": 116.4}}',  # the bucket's second token
+        f'{{"t": {now}, "lat": 39.9, "lon": 116.4}}',  # the bucket is empty
+    ]
+    chunks = [_plain("u1", "tok1", body.encode()) for body in bodies]
+    async with Broker(config=fast_cfg, tokens=tokens) as fast, Broker(config=slow_cfg, tokens=tokens) as slow:
+        answers = await _alike((fast, slow), chunks, pause_s=0.02)
+    assert [a[0] for a in answers] == [
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 400 Bad Request",
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 429 Too Many Requests",
+    ]
+    assert b"Retry-After: 1" in answers[5][1]
+    assert b'"too_old"' in answers[3][2] and b'"out_of_order"' in answers[1][2]
