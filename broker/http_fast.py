@@ -222,6 +222,8 @@ class FixConnection(asyncio.BufferedProtocol):
         """Answer the complete requests at the start of the buffer, until one is being decided."""
         shared = self._shared
         while self._transport is not None and not self._busy and not self._write_paused:
+            if self._transport.is_closing():
+                return
             if shared.closing:
                 self._transport.close()
                 return
@@ -304,7 +306,9 @@ class FixConnection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is not None:
             transport.write(render(status, body, charset, extra, close))
-            if close:
+            if close:  # nothing read behind this request is taken: drop it, read no more
+                self._buf.clear()
+                self._head = None
                 transport.close()
             else:
                 self._arm(self._loop.time() + self._shared.head_timeout_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -255,3 +256,22 @@ async def test_refusals_are_answered_alike(tmp_path: Path, spy: SpyUpstream) -> 
     ]
     assert b"Retry-After: 1" in answers[5][1]
     assert b'"too_old"' in answers[3][2] and b'"out_of_order"' in answers[1][2]
+
+
+async def test_nothing_after_connection_close_is_taken(pair: tuple[Broker, Broker]) -> None:
+    """Fixes pipelined behind a ``Connection: close`` request in the same read are neither
+    answered nor stored. (aiohttp's parser refuses data after such a request and, as with any
+    read that ends in a parse error, answers only its 400; the fast path answers the request,
+    then closes.)"""
+    fast, slow = pair
+    closing = _plain("u3", "tok3", _body()).replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\nConnection: close\r\n")
+    behind = [_body() for _ in range(3)]
+    chunks = [closing + b"".join(_plain("u3", "tok3", body) for body in behind)]
+    answers, closed = await _answers(fast.http_port, chunks)
+    assert closed and [a[0] for a in answers] == [b"HTTP/1.1 200 OK"] and b"Connection: close" in answers[0][1]
+    slow_answers, slow_closed = await _answers(slow.http_port, chunks)
+    assert slow_closed and [a[0] for a in slow_answers] == [b"HTTP/1.0 400 Bad Request"]
+    await asyncio.sleep(0.3)  # a fix taken behind the close would be committed by now
+    for broker in pair:
+        stored = {round(t, 3) for user, t, _, _ in _stored(broker) if user == "u3"}
+        assert not stored & {round(json.loads(body)["t"], 3) for body in behind}
