@@ -261,9 +261,8 @@ class FixConnection(asyncio.BufferedProtocol):
         except Exception as exc:
             self._answer_failure(exc, head.close, started)
             return
-        if decided.done():
-            self._decided(decided, head.close, started)
-            return
+        # Answered from the future's callback (a later turn of the loop, even if already decided):
+        # the requests read meanwhile wait, and are served from there, one at a time.
         self._busy = True
         decided.add_done_callback(lambda fut: self._decided(fut, head.close, started))
 
@@ -278,8 +277,8 @@ class FixConnection(asyncio.BufferedProtocol):
             self._answer_failure(exc, close, started)
         else:
             self._write(200, body, charset, (), close, started)
-        if not self._busy and self._transport is not None and self._buf:
-            self._serve()
+        if self._transport is not None and self._buf:
+            self._serve()  # the requests read meanwhile
 
     def _answer_failure(self, exc: Exception, close: bool, started: float) -> None:
         if isinstance(exc, HttpError):
