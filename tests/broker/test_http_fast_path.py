@@ -111,6 +111,8 @@ async def test_any_request_is_answered_as_aiohttp_answers_it(
     # The follow-up is written once the broker has read the request (aiohttp, fed a valid request
     # and a malformed one in one read, answers only the malformed one: see the test below).
     await _alike(pair, [raw, _plain("u1", "tok1", _body())], pause_s=0.03, wait_s=0.3)
+    # Both took the same fixes: none stored without its answer, none answered and not stored.
+    assert _stored(pair[0]) == _stored(pair[1])
 
 
 async def test_a_pipelined_mix_is_answered_in_order_alike(pair: tuple[Broker, Broker]) -> None:
