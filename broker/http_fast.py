@@ -146,12 +146,45 @@ class FastFixes:
             conn.abort()
 
 
+class _Answering(asyncio.Future[ReasonCode | None]):
+    """The future of one fix's outcome that writes its answer as the outcome is set (inside the
+    intake's turn), not a turn of the event loop later as a done-callback would."""
+
+    def __init__(self, conn: FixConnection, close: bool, started: float) -> None:
+        super().__init__(loop=conn.loop)
+        self._answer = (conn, close, started)
+
+    def set_result(self, result: ReasonCode | None) -> None:
+        super().set_result(result)
+        self._deliver()
+
+    def set_exception(self, exception: type | BaseException) -> None:
+        super().set_exception(exception)
+        self._deliver()
+
+    def cancel(self, msg: object | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._deliver()
+        return True
+
+    def _deliver(self) -> None:
+        # Called by whoever settles the outcome (the intake, for every fix of a batch in turn):
+        # nothing of this connection's may reach it.
+        conn, close, started = self._answer
+        try:
+            conn.decided(self, close, started)
+        except Exception as exc:  # a bug: this connection ends, the others are answered
+            log_event(log, "http_handler_failed", logging.ERROR, route=FIX_ROUTE, error=type(exc).__name__)
+            conn.abort()
+
+
 class FixConnection(asyncio.BufferedProtocol):
     """One client connection on the fast path (see the module's description)."""
 
     def __init__(self, shared: FastFixes) -> None:
         self._shared = shared
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._head: FixHead | None = None  # a head whose body has not all arrived
@@ -170,7 +203,7 @@ class FixConnection(asyncio.BufferedProtocol):
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # as aiohttp's connections
         self._shared.connections.add(self)
-        self._arm(self._loop.time() + self._shared.head_timeout_s)
+        self._arm(self.loop.time() + self._shared.head_timeout_s)
         if self._shared.closing:
             self.shutdown()
 
@@ -240,7 +273,7 @@ class FixConnection(asyncio.BufferedProtocol):
             if len(self._buf) < head.end + head.length:
                 if self._head is None:  # the body starts arriving: its own deadline
                     self._head = head
-                    self._arm(self._loop.time() + shared.body_timeout_s)
+                    self._arm(self.loop.time() + shared.body_timeout_s)
                 break
             self._head = None
             raw = bytes(self._buf[head.end : head.end + head.length])
@@ -252,21 +285,19 @@ class FixConnection(asyncio.BufferedProtocol):
 
     def _take(self, head: FixHead, raw: bytes) -> None:
         shared = self._shared
-        started = self._loop.time()
+        started = self.loop.time()
         try:
             user = head.user
             if shared.tokens is not None:
                 user = bearer_user(head.authorization or "", shared.tokens, user)
-            decided = asyncio.ensure_future(submit_fix(raw, user, shared.pipeline, shared.received))
+            submit_fix(raw, user, shared.pipeline, shared.received, _Answering(self, head.close, started))
         except Exception as exc:
             self._answer_failure(exc, head.close, started)
             return
-        # Answered from the future's callback (a later turn of the loop, even if already decided):
-        # the requests read meanwhile wait, and are served from there, one at a time.
-        self._busy = True
-        decided.add_done_callback(lambda fut: self._decided(fut, head.close, started))
+        self._busy = True  # until the outcome is set (:meth:`decided`): later requests wait
 
-    def _decided(self, decided: asyncio.Future[ReasonCode | None], close: bool, started: float) -> None:
+    def decided(self, decided: asyncio.Future[ReasonCode | None], close: bool, started: float) -> None:
+        """Answer the fix whose outcome ``decided`` now holds, then the requests read meanwhile."""
         self._busy = False
         if decided.cancelled():  # the event loop is ending
             self.abort()
@@ -310,8 +341,8 @@ class FixConnection(asyncio.BufferedProtocol):
                 self._head = None
                 transport.close()
             else:
-                self._arm(self._loop.time() + self._shared.head_timeout_s)
-        self._shared.record(status, self._loop.time() - started, len(body))
+                self._arm(self.loop.time() + self._shared.head_timeout_s)
+        self._shared.record(status, self.loop.time() - started, len(body))
 
     # -- timeouts and hand-off ---------------------------------------------------------------------
     def _arm(self, deadline: float) -> None:
@@ -323,15 +354,15 @@ class FixConnection(asyncio.BufferedProtocol):
             timer.cancel()
             timer = None
         if timer is None:
-            self._timer = self._loop.call_at(deadline, self._expire)
+            self._timer = self.loop.call_at(deadline, self._expire)
 
     def _expire(self) -> None:
         self._timer = None
         transport = self._transport
         if transport is None or self._busy:
             return  # an answer re-arms the timer
-        if self._loop.time() < self._deadline:
-            self._timer = self._loop.call_at(self._deadline, self._expire)
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._expire)
             return
         if self._head is None:  # no complete head in time (idle keep-alive included): close
             transport.close()
@@ -339,7 +370,7 @@ class FixConnection(asyncio.BufferedProtocol):
         self._head = None
         timeout = self._shared.body_timeout_s
         error = HttpError(ReasonCode.INVALID, f"body: not received within {timeout:g} s", close=True)
-        self._answer_failure(error, True, self._loop.time() - timeout)
+        self._answer_failure(error, True, self.loop.time() - timeout)
 
     def _hand_off(self) -> None:
         """Give the connection and every byte not answered to aiohttp's connection handler."""

@@ -359,10 +359,14 @@ async def _post_location(
 
 
 def submit_fix(
-    raw: bytes, user: str, pipeline: Pipeline, received: Counter | None = None
+    raw: bytes,
+    user: str,
+    pipeline: Pipeline,
+    received: Counter | None = None,
+    waiter: asyncio.Future[ReasonCode | None] | None = None,
 ) -> Awaitable[ReasonCode | None]:
-    """Decode and submit the single fix of body ``raw`` (its outcome, as
-    :meth:`Pipeline.decide_fix`); raises :class:`HttpError` for a body that is not a fix."""
+    """Decode and submit the single fix of body ``raw`` (its outcome, as :meth:`Pipeline.decide_fix`,
+    resolving ``waiter`` if given); raises :class:`HttpError` for a body that is not a fix."""
     # A well-formed fix is decoded and checked in one pass; anything else takes the full path,
     # which names the reason (a body that is not JSON, or the field and rule a fix breaks).
     fix = decode_fix(raw)
@@ -374,7 +378,7 @@ def submit_fix(
         except InvalidInput as exc:
             pipeline.metrics.updates_rejected.labels(transport="http", reason="invalid").inc()
             raise HttpError(ReasonCode.INVALID, str(exc), field=exc.field) from None
-    return pipeline.decide_fix("http", user, fix)
+    return pipeline.decide_fix("http", user, fix, waiter)
 
 
 _FIX_REFUSALS = {

@@ -246,7 +246,9 @@ class FixIntake:
         task.add_done_callback(self._decided)
         return task
 
-    def decide_fix(self, transport: str, user: str, fix: Any) -> asyncio.Future[ReasonCode | None]:
+    def decide_fix(
+        self, transport: str, user: str, fix: Any, waiter: asyncio.Future[ReasonCode | None] | None = None
+    ) -> asyncio.Future[ReasonCode | None]:
         """Submit one fix as received (one HTTP request); the future of its outcome: ``None`` =
         accepted (committed and applied), else the reason code (a future, not a coroutine: the
         request awaits it without a coroutine layer per fix). The fix counts as received at once,
@@ -254,7 +256,11 @@ class FixIntake:
         single fixes received in one event-loop turn are one submission, without a task each: one
         check pass in the order received, one hand-over to the movement store, committed without
         its linger, and one wake-up per commit. Another submission received meanwhile closes the
-        turn's batch, so fixes are still decided in the order received."""
+        turn's batch, so fixes are still decided in the order received.
+
+        ``waiter``: the caller's own future to resolve (and return) instead of a new one: a subclass
+        may act on the outcome as it is set, a turn of the event loop before a done-callback would
+        (the HTTP fast path writes its answer there)."""
         loop = asyncio.get_running_loop()
         batch = self._open_batch
         if batch is None or batch.transport != transport or len(batch.items) >= FIX_CHUNK:
@@ -266,7 +272,8 @@ class FixIntake:
             task.add_done_callback(self._batch_tasks.discard)
         else:
             self._fixes_in_flight[user] = self._submissions[-1][1]  # the open batch's marker
-        waiter: asyncio.Future[ReasonCode | None] = loop.create_future()
+        if waiter is None:
+            waiter = loop.create_future()
         batch.items.append((user, fix))
         batch.waiters.append(waiter)
         return waiter

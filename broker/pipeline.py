@@ -236,9 +236,12 @@ class Pipeline:
         """Submit fixes as they are received, without waiting (see :meth:`FixIntake.enqueue_fixes`)."""
         return self.intake.enqueue_fixes(transport, items, batch=batch, source=source)
 
-    def decide_fix(self, transport: str, user: str, fix: Any) -> Awaitable[ReasonCode | None]:
-        """One fix as received, its outcome once decided (see :meth:`FixIntake.decide_fix`)."""
-        return self.intake.decide_fix(transport, user, fix)
+    def decide_fix(
+        self, transport: str, user: str, fix: Any, waiter: asyncio.Future[ReasonCode | None] | None = None
+    ) -> Awaitable[ReasonCode | None]:
+        """One fix as received, its outcome once decided (see :meth:`FixIntake.decide_fix`); with
+        ``waiter``, that future is resolved and returned."""
+        return self.intake.decide_fix(transport, user, fix, waiter)
 
     # -- profiles ------------------------------------------------------------------------------
     def get_profile(self, user: str) -> tuple[PrivacyProfile, str, float | None]:

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
@@ -499,9 +500,19 @@ class ClusterPipeline:
             return self._track(self._mqtt_fixes(items, batch))
         return self._track(self._http_fixes(items, batch))
 
-    async def decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
-        """:meth:`enqueue_fixes` of one fix, waiting for its code (``None`` = accepted; the HTTP
-        single-fix route)."""
+    def decide_fix(
+        self, transport: str, user: str, fix: Any, waiter: asyncio.Future[ReasonCode | None] | None = None
+    ) -> Awaitable[ReasonCode | None]:
+        """:meth:`enqueue_fixes` of one fix, its code once decided (``None`` = accepted; the HTTP
+        single-fix route); with ``waiter``, that future is resolved and returned (as
+        :meth:`Pipeline.decide_fix`)."""
+        decided = asyncio.ensure_future(self._decide_fix(transport, user, fix))
+        if waiter is None:
+            return decided
+        decided.add_done_callback(partial(_resolve, waiter))
+        return waiter
+
+    async def _decide_fix(self, transport: str, user: str, fix: Any) -> ReasonCode | None:
         return (await self.enqueue_fixes(transport, [(user, fix)])).codes[0]
 
     def _messages(self, items: list[tuple[str, Any]], batch: bool) -> list[tuple[str, str, Any, list[int]]]:
@@ -854,6 +865,18 @@ class ClusterGateway(Service):
                 await asyncio.wait_for(self.nc.drain(), 5.0)
             with contextlib.suppress(Exception):
                 await self.nc.close()
+
+
+def _resolve(waiter: asyncio.Future[ReasonCode | None], decided: asyncio.Future[ReasonCode | None]) -> None:
+    """Settle ``waiter`` as ``decided`` ended (unless it is settled already)."""
+    if waiter.done():
+        return
+    if decided.cancelled():
+        waiter.cancel()
+    elif (exc := decided.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(decided.result())
 
 
 __all__ = [

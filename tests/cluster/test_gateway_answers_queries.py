@@ -173,8 +173,10 @@ def test_a_query_nobody_answers_is_refused_overloaded_after_the_contract_wait(
         gw.stop()
 
 
-async def play_router(cluster: NatsCluster, replies: dict[str, list[str | None]], timeout_s: float = 20.0) -> None:
-    """Answer the ``Kcloak-Reply`` of each user's latest ``updates`` message with that user's codes."""
+async def play_router(
+    cluster: NatsCluster, replies: dict[str, list[str | None]], timeout_s: float = 20.0, kind: str = "updates"
+) -> None:
+    """Answer the ``Kcloak-Reply`` of each user's latest ``kind`` message with that user's codes."""
     from kcloak.broker.cluster.topology import IN_STREAM, in_subject, partition_of, subject_token
     from tests.cluster.gateway_fixtures import PARTITIONS
 
@@ -183,7 +185,7 @@ async def play_router(cluster: NatsCluster, replies: dict[str, list[str | None]]
         js = nc.jetstream(timeout=5.0)
         for user, codes in replies.items():
             token = subject_token(user)
-            subject = in_subject(partition_of(token, PARTITIONS), "updates", token)
+            subject = in_subject(partition_of(token, PARTITIONS), kind, token)
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
@@ -194,7 +196,8 @@ async def play_router(cluster: NatsCluster, replies: dict[str, list[str | None]]
                         raise
                     await asyncio.sleep(0.05)
             body = json.loads(msg.data or b"{}")
-            assert len(body["updates"]) == len(codes) and all(set(f) == {"lat", "lon", "t"} for f in body["updates"])
+            fixes = body["updates"] if kind == "updates" else [body]
+            assert len(fixes) == len(codes) and all(set(f) == {"lat", "lon", "t"} for f in fixes)
             assert (msg.headers or {})["Kcloak-Transport"] == "http"
             await nc.publish((msg.headers or {})["Kcloak-Reply"], json.dumps({"codes": codes}).encode())
     finally:
@@ -230,6 +233,27 @@ def test_an_http_batch_of_two_users_gets_each_routers_outcome_in_item_order(
             {"index": 4, "code": "too_old"},
         ],
     }
+
+
+def test_single_http_fixes_get_the_routers_outcome(nats_cluster: NatsCluster, gateway: Gateway) -> None:
+    """``POST /v1/users/{user}/location`` on a gateway (the HTTP door's fast path): each fix is
+    published to its partition and answered with the router's code for it."""
+    t = time.time()
+
+    async def scenario() -> list[tuple[int, Any]]:
+        requests = [
+            asyncio.create_task(asyncio.to_thread(http_json, "POST", gateway.url(f"/v1/users/{user}/location"), fix))
+            for user, fix in (
+                ("ann", {"lat": 39.9, "lon": 116.4, "t": t}),
+                ("ben.c", {"lat": 39.9, "lon": 116.4, "t": t}),
+            )
+        ]
+        await play_router(nats_cluster, {"ann": [None], "ben.c": ["out_of_order"]}, kind="update")
+        return [await r for r in requests]
+
+    (ann_status, ann), (ben_status, ben) = asyncio.run(scenario())
+    assert (ann_status, ann) == (200, {"accepted": 1, "rejected": []})
+    assert (ben_status, ben) == (200, {"accepted": 0, "rejected": [{"index": 0, "code": "out_of_order"}]})
 
 
 def test_a_stored_answer_whose_reply_was_missed_is_read_from_the_stream_after_the_contract_wait(
