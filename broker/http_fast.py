@@ -35,11 +35,11 @@ from kcloak.broker.config import Config
 from kcloak.broker.http_server import (
     FIX_ROUTE,
     HttpError,
-    access_logger,
     bearer_user,
     error_frames,
     error_parts,
     fix_answer,
+    record_access,
     submit_fix,
 )
 from kcloak.broker.metrics import Metrics
@@ -104,8 +104,7 @@ class FastFixes:
         self.received: Counter = metrics.messages.labels("http", "update")
         self.connections: set[FixConnection] = set()
         self.closing = False
-        self._requests = metrics.http_requests
-        self._seconds = metrics.http_seconds
+        self._metrics = metrics
         self._ok_count = metrics.http_requests.labels(FIX_ROUTE, "POST", "200")
         self._ok_time = metrics.http_seconds.labels(FIX_ROUTE, "POST", "2xx")
         self._emit = access_log
@@ -114,24 +113,16 @@ class FastFixes:
         return FixConnection(self)
 
     def record(self, status: int, elapsed: float, sent: int) -> None:
-        """Count and time one answer as the aiohttp door does (``kcloak_http_requests``,
-        ``kcloak_http_request_duration_seconds``, the access line with ``log.access``)."""
+        """Count and time one answer as the aiohttp door does (``kcloak_http_requests`` as
+        :func:`~kcloak.broker.http_server.request_handler`, the rest as its access-log hook)."""
         if status == 200:
             self._ok_count.inc()
-            self._ok_time.observe(elapsed)
+            if not self._emit:
+                self._ok_time.observe(elapsed)
+                return
         else:
-            self._requests.labels(FIX_ROUTE, "POST", str(status)).inc()
-            self._seconds.labels(FIX_ROUTE, "POST", f"{status // 100}xx").observe(elapsed)
-        if self._emit:
-            log_event(
-                access_logger,
-                "http_access",
-                method="POST",
-                route=FIX_ROUTE,
-                status=status,
-                duration_s=round(elapsed, 6),
-                bytes_sent=sent,
-            )
+            self._metrics.http_requests.labels(FIX_ROUTE, "POST", str(status)).inc()
+        record_access(self._metrics, FIX_ROUTE, "POST", status, elapsed, sent, emit=self._emit)
 
     async def close(self, grace_s: float) -> None:
         """Stop: idle connections close now, one whose fix is being decided once it is answered;

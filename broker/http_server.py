@@ -790,22 +790,28 @@ def route_access_log(metrics: Metrics, *, emit: bool) -> type[AbstractAccessLogg
             if not emit and response.status == 200 and request.get(ROUTE) is FIX_ROUTE:
                 fix_answered.observe(time)
                 return
-            route = _route_template(request)
-            method = _method_label(request.method)
-            status_class = f"{response.status // 100}xx"
-            metrics.http_seconds.labels(route, method, status_class).observe(time)
-            if emit:
-                log_event(
-                    access_logger,
-                    "http_access",
-                    method=method,
-                    route=route,
-                    status=response.status,
-                    duration_s=round(time, 6),
-                    bytes_sent=response.body_length,
-                )
+            route, method = _route_template(request), _method_label(request.method)
+            record_access(metrics, route, method, response.status, time, response.body_length, emit=emit)
 
     return RouteAccessLog
+
+
+def record_access(
+    metrics: Metrics, route: str, method: str, status: int, seconds: float, bytes_sent: int, *, emit: bool
+) -> None:
+    """Time one answered request into ``metrics.http_seconds`` (route pattern, method, status class)
+    and, with ``emit``, write its ``http_access`` line: for aiohttp's hook and the fast path alike."""
+    metrics.http_seconds.labels(route, method, f"{status // 100}xx").observe(seconds)
+    if emit:
+        log_event(
+            access_logger,
+            "http_access",
+            method=method,
+            route=route,
+            status=status,
+            duration_s=round(seconds, 6),
+            bytes_sent=bytes_sent,
+        )
 
 
 def _protocol_error(exc: BaseException | None) -> tuple[ReasonCode, str]:
