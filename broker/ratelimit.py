@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
 
@@ -93,84 +94,134 @@ class DedupWindow:
     """Remembers ``(user, query_id)`` for ``window_s``; a repeat inside the window is a duplicate.
 
     It holds every query of the window (600 s by default: at 5,000 queries/s, 3 million), so it
-    keeps each as a 64-bit keyed hash of the pair (8 bytes) and the millisecond it was first seen
-    (4 bytes, counted from a base moved forward as time goes on), **12 bytes**, not the pair itself
-    (about 290 bytes as a dict entry of strings: 33 MiB at 200 queries/s, which ``kcloak bench
-    soak`` saw as resident memory growing for the first ten minutes). The hash is Python's ``hash``
-    of the pair, SipHash keyed at random per process, so a client can neither predict nor provoke a
-    collision; two different pairs share a hash with probability about n²/2⁶⁵ per window (n =
-    pairs in it: 10⁻⁷ at 3 million), and the later one would then be taken for a duplicate.
+    keeps each as a 64-bit keyed hash of the pair and the time it was first seen in **8 bytes**, not
+    the pair itself (about 290 bytes as a dict entry of strings: 33 MiB at 200 queries/s, which
+    ``kcloak bench soak`` saw as resident memory growing for the first ten minutes). The hash is
+    Python's ``hash`` of the pair, SipHash keyed at random per process, so a client can neither
+    predict nor provoke a collision; two different pairs share a hash with probability about
+    n²/2⁶⁵ per window (n = pairs in it: 10⁻⁷ at 3 million), and the later one would then be taken
+    for a duplicate.
 
-    Times are the clock rounded to the millisecond: a pair is a duplicate while at most
-    ``window_s`` (in whole milliseconds) has passed since it was first seen, and new again after.
-    The pairs of the last ``window_s``/60 seconds sit in a dict; then they are merged into two
-    sorted arrays (hashes, times), from which expired pairs are dropped then.
+    Time is read in whole quanta of ``window_s``/60,000 (10 ms at 600 s; whole microseconds under
+    60 ms): a pair is a duplicate while at most ``window_s`` has passed since it was first seen, and
+    new again once ``window_s`` and two quanta have passed (one at 600 s), either in between: never
+    new early.
+
+    The pairs of the last ``window_s``/60 seconds (one second at least) sit in a dict; then they are merged into sorted
+    arrays, from which expired pairs are dropped then. The arrays hold a hash as its 16 top bits
+    implied by its place (``_starts``: where each of the 65,536 top-bit buckets begins, 256 KiB
+    whatever the load), 32 bits in ``_hi`` and the 16 low bits in ``_lo`` beside the 16 low bits
+    of its first time in quanta (the time modulo 2¹⁶: the pairs kept are younger than the window,
+    60,000 quanta, so their age is read back exactly from the time of the last merge).
     """
 
-    def __init__(self, window_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        hash_pair: Callable[[tuple[str, str]], int] = hash,
+    ) -> None:
+        """``hash_pair``: the pairs' hash (Python's keyed ``hash``; tests pass hashes that crowd the buckets)."""
+        if not 0 <= window_s < float("inf"):
+            raise ValueError(f"dedup window of {window_s} s: it must be 0 or more seconds")
         self.window_s = window_s
         self._clock = clock
-        self._window_ms = round(window_s * 1000)
-        if not 0 <= self._window_ms <= _REBASE_AFTER_MS:
-            raise ValueError(f"dedup window of {window_s} s: 0 to {_REBASE_AFTER_MS // 1000} s")
-        self._merge_every_ms = max(self._window_ms // 60, 1)
-        self._recent: dict[int, int] = {}
-        self._merged_ms = self._base_ms = round(clock() * 1000)
-        self._keys: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
-        self._times: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)  # ms after ``_base_ms``
+        self._hash = hash_pair
+        window_us = round(window_s * 1_000_000)
+        self._quantum_us = max(-(-window_us // WINDOW_QUANTA), 1)
+        self._window_q = -(-window_us // self._quantum_us)  # at most WINDOW_QUANTA
+        self._merge_every_q = max(self._window_q // 60, -(-MIN_MERGE_EVERY_US // self._quantum_us))
+        self._recent: dict[int, int] = {}  # hash: first time in quanta (the last merge period)
+        self._merged_q = self._now()
+        self._starts: npt.NDArray[np.uint32] = np.zeros(_BUCKETS + 1, dtype=np.uint32)
+        self._hi: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+        self._lo: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+        self._starts_view, self._hi_view, self._lo_view = self._starts.data, self._hi.data, self._lo.data
+
+    def _now(self) -> int:
+        return round(self._clock() * 1_000_000) // self._quantum_us
 
     def __len__(self) -> int:
         """Pairs remembered (expired ones included until the next merge)."""
-        return len(self._recent) + int(self._keys.size)
+        return len(self._recent) + int(self._hi.size)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the merged arrays (the pairs of the last merge period, in the dict, apart)."""
-        return int(self._keys.nbytes + self._times.nbytes)
+        return int(self._starts.nbytes + self._hi.nbytes + self._lo.nbytes)
 
     def first_time(self, user: str, query_id: str) -> bool:
         """True (and remembered) the first time; False for a duplicate."""
-        now = round(self._clock() * 1000)
-        if now - self._merged_ms >= self._merge_every_ms:
+        now = self._now()
+        if now - self._merged_q >= self._merge_every_q:
             self._merge(now)
-        key = hash((user, query_id)) & _MASK64
+        key = self._hash((user, query_id)) & _MASK64
         seen = self._recent.get(key)
-        if seen is not None and now - seen <= self._window_ms:
+        if seen is not None and now - seen <= self._window_q:
             return False
-        i = int(np.searchsorted(self._keys, np.uint64(key)))
-        if (
-            i < self._keys.size
-            and int(self._keys[i]) == key
-            and now - self._base_ms - int(self._times[i]) <= self._window_ms
-        ):
-            return False
+        # The arrays are read through memoryviews (Python ints at C speed), the bucket's few
+        # entries searched by bisection on the 32 middle bits.
+        starts = self._starts_view
+        bucket = key >> 48
+        lo, end = starts[bucket], starts[bucket + 1]
+        if lo < end:
+            his, hi = self._hi_view, (key >> 16) & _MASK32
+            i = bisect_left(his, hi, lo, end)
+            low = key & _MASK16
+            while i < end and his[i] == hi:
+                entry = self._lo_view[i]
+                if entry >> 16 == low:
+                    age = ((self._merged_q - entry) & _MASK16) + now - self._merged_q
+                    if age <= self._window_q:
+                        return False
+                    break
+                i += 1
         self._recent[key] = now
         return True
 
     def _merge(self, now: int) -> None:
-        # Only pairs seen within the window stay; their times are kept as ``uint32`` ms after a
-        # base, which is moved up to the window's start once it falls more than 2³⁰ ms behind it.
-        oldest = now - self._window_ms
-        seen = self._times.astype(np.int64) + self._base_ms
-        live = seen >= oldest
-        keys = self._keys[live]
-        if oldest - self._base_ms > _REBASE_AFTER_MS:
-            self._base_ms = oldest
-        times = (seen[live] - self._base_ms).astype(np.uint32)
-        recent = {k: t for k, t in self._recent.items() if t >= oldest}  # all, unless the clock jumped
+        # The pairs kept are those seen within the window. A kept pair's age is its age at the last
+        # merge (the 16-bit difference, exact since it was under 60,000 quanta then) plus the time
+        # since; the arrays are rebuilt from full 64-bit hashes, sorted, and split again.
+        merged, window = self._merged_q, self._window_q
+        his, lows = self._hi, self._lo
+        ages = (np.uint32((merged & _MASK16) | (_MASK16 + 1)) - (lows & _MASK16)) & _MASK16
+        live = ages <= window - (now - merged)
+        keys = (his.astype(np.uint64) << 16) | (lows >> 16)
+        keys |= np.repeat(np.arange(_BUCKETS, dtype=np.uint64) << 48, np.diff(self._starts))
+        times = lows & _MASK16
+        if not live.all():
+            keys, times = keys[live], times[live]
+        recent = {k: t for k, t in self._recent.items() if now - t <= window}  # all, unless the clock jumped
         if recent:
             new_keys = np.fromiter(recent.keys(), dtype=np.uint64, count=len(recent))
-            new_times = np.fromiter((t - self._base_ms for t in recent.values()), dtype=np.uint32, count=len(recent))
+            new_times = np.fromiter((t & _MASK16 for t in recent.values()), dtype=np.uint32, count=len(recent))
             order = np.argsort(new_keys)
             new_keys, new_times = new_keys[order], new_times[order]
             # A key of the dict was in the arrays only expired (else it was a duplicate): dropped above.
             at = np.searchsorted(keys, new_keys)
             keys, times = np.insert(keys, at, new_keys), np.insert(times, at, new_times)
-        self._keys, self._times = keys, times
+        self._starts[:-1] = np.searchsorted(keys, np.arange(_BUCKETS, dtype=np.uint64) << 48)
+        self._starts[-1] = keys.size
+        self._hi = (keys >> 16).astype(np.uint32)  # the conversion keeps the 32 low bits
+        lows = keys.astype(np.uint32)  # the 32 low bits
+        lows <<= 16
+        lows |= times
+        self._lo = lows
+        self._hi_view, self._lo_view = self._hi.data, self._lo.data
         self._recent = {}
-        self._merged_ms = now
+        self._merged_q = now
 
 
+WINDOW_QUANTA = 60_000
+"""Most quanta in a dedup window: a time is read in whole quanta of ``window_s``/60,000 (rounded up
+to whole microseconds), so a pair's age in the window fits the 16 bits kept of its time."""
+
+MIN_MERGE_EVERY_US = 1_000_000
+"""Shortest merge period (a merge costs a pass over the 65,536 buckets; short windows merge each second)."""
+
+_BUCKETS = 1 << 16
 _MASK64 = (1 << 64) - 1
-_REBASE_AFTER_MS = 1 << 30
-"""How far the time base may fall behind the window before it is moved (times are ``uint32`` ms)."""
+_MASK32 = (1 << 32) - 1
+_MASK16 = (1 << 16) - 1
