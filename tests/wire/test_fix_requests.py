@@ -78,6 +78,9 @@ def _same_reading(head: FixHead, raw: bytes, seen: dict[str, object]) -> None:
 async def test_an_accepted_head_reads_as_a_full_parser_reads_it(echo: int, raw: bytes) -> None:
     found = read_fix_head(raw, LIMIT)
     if isinstance(found, FixHead):
+        missing = found.end + found.length - len(raw)
+        if missing > 0:  # the head declares more body than was drawn: a client sends the rest
+            raw += b" " * missing
         _same_reading(found, raw, await _as_aiohttp_reads(echo, raw))
         for cut in range(found.end):
             assert read_fix_head(raw[:cut], LIMIT) == INCOMPLETE, cut
