@@ -12,7 +12,6 @@ bytes, so the check shares no parsing and no rendering with the fast path.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import sqlite3
 import time
@@ -30,13 +29,16 @@ from tests.broker.conftest import SpyUpstream, broker_config
 from tests.wire.fix_request_shapes import fix_requests
 
 TOKENS = "u1:tok1\nu2:tok2\nu3:tok3\nu4:tok4\n"
-_t = itertools.count()
-T0 = time.time() - 30
+_last_t = [0.0]
 
 
 def _body() -> bytes:
-    """A fix later than every fix sent before (both brokers then decide alike)."""
-    return f'{{"t": {T0 + next(_t) * 0.001!r}, "lat": 39.9, "lon": 116.4}}'.encode()
+    """A fix of now, later than every fix sent before (both brokers then decide alike). Its time
+    is read when it is made: a time fixed at import went past the brokers' 120 s age limit when
+    the suite reached these tests late (every fix refused ``too_old`` on both)."""
+    t = max(time.time() - 1.0, _last_t[0] + 0.0001)
+    _last_t[0] = t
+    return f'{{"t": {t!r}, "lat": 39.9, "lon": 116.4}}'.encode()
 
 
 def _plain(user: str, token: str, body: bytes) -> bytes:
