@@ -299,8 +299,14 @@ class FixConnection(asyncio.BufferedProtocol):
             self._answer_failure(exc, close, started)
         else:
             self._write(200, body, charset, (), close, started)
-        if self._transport is not None and self._buf:
-            self._serve()  # the requests read meanwhile
+        if self._transport is not None:
+            if self._buf:
+                self._serve()  # the requests read meanwhile
+            elif self._read_paused and not self._write_paused:
+                # Paused with only whole requests read ahead, now all answered: read on (else the
+                # connection would wait for its head timeout, then close on the client's requests).
+                self._read_paused = False
+                self._transport.resume_reading()
 
     def _answer_failure(self, exc: Exception, close: bool, started: float) -> None:
         if isinstance(exc, HttpError):
