@@ -228,6 +228,9 @@ class FixConnection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         if not self._busy:
+            # The client reads again: its time to send the next head (or the rest of a body) starts now.
+            timeout = self._shared.head_timeout_s if self._head is None else self._shared.body_timeout_s
+            self._arm(self.loop.time() + timeout)
             self._serve()
 
     # -- shutdown ----------------------------------------------------------------------------------
@@ -356,8 +359,10 @@ class FixConnection(asyncio.BufferedProtocol):
     def _expire(self) -> None:
         self._timer = None
         transport = self._transport
-        if transport is None or self._busy:
-            return  # an answer re-arms the timer
+        if transport is None or self._busy or self._write_paused:
+            # An answer re-arms the timer, and so does the client reading again: the timeouts are
+            # for requests not sent, not for answers not read (aiohttp's connections wait for those).
+            return
         if self.loop.time() < self._deadline:
             self._timer = self.loop.call_at(self._deadline, self._expire)
             return

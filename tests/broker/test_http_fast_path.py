@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -224,6 +226,53 @@ async def test_reading_resumes_when_the_requests_read_ahead_end_on_a_read_bounda
         try:
             for _ in requests:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+                statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
+        except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
+            pytest.fail(f"{'fast' if broker is pair[0] else 'aiohttp'}: {exc!r} after {len(statuses)} answers")
+        finally:
+            writer.close()
+        wrong = [(i, s) for i, s in enumerate(statuses) if s != (b"200", b'{"accepted": 1, "rejected": []}')]
+        assert not wrong, (len(wrong), wrong[:3])
+
+
+def _shrink_send_buffer(port: int | None, size: int) -> None:
+    """Give the broker's listening socket on ``port`` (in this process) a small send buffer, which
+    the connections it accepts inherit: their answers then back up into the transport at once."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with sock:
+            try:
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                if listening and sock.getsockname()[1] == port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+                    return
+            except OSError:
+                continue
+    raise AssertionError(f"no listening socket on port {port}")
+
+
+async def test_a_client_slow_to_read_its_answers_is_not_timed_out(pair: tuple[Broker, Broker]) -> None:
+    """A client that writes 2,000 fixes and reads nothing for twice the head timeout, with send and
+    receive buffers so small that the answers back up into the broker's transport (which stops
+    writing): both brokers wait for it, as for any client slow to read (the timeouts are for
+    requests not sent), and answer every fix once it reads."""
+    for broker in pair:
+        _shrink_send_buffer(broker.http_port, 4096)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", broker.http_port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"".join(_plain("u4", "tok4", _body()) for _ in range(2000)))
+        await asyncio.sleep(2.0)  # the head timeout is 1 s, the body timeout 0.6 s
+        statuses = []
+        try:
+            for _ in range(2000):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
                 length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
                 statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
         except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
