@@ -188,6 +188,32 @@ def _stored(broker: Broker) -> list[tuple[str, float, float, float]]:
         conn.close()
 
 
+ACCEPTED = (b"200", b'{"accepted": 1, "rejected": []}')
+
+
+async def _all_accepted(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int, door: str, wait_s: float = 10.0
+) -> None:
+    """Read ``n`` answers to single fixes; each must accept its fix. A reset or a close before the
+    last fails with the number read (short: pytest's own diff of thousands of answers takes minutes)."""
+    answers: list[tuple[bytes, bytes]] = []
+    try:
+        for _ in range(n):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
+            length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+            answers.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
+    except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
+        pytest.fail(f"{door}: {exc!r} after {len(answers)} answers")
+    finally:
+        writer.close()
+    wrong = [(i, a) for i, a in enumerate(answers) if a != ACCEPTED]
+    assert not wrong, (door, len(wrong), wrong[:3])
+
+
+def _door(pair: tuple[Broker, Broker], broker: Broker) -> str:
+    return "fast path" if broker is pair[0] else "aiohttp"
+
+
 async def test_requests_sent_far_ahead_of_reading_are_all_answered_in_order(pair: tuple[Broker, Broker]) -> None:
     """A client that writes 3,000 fixes (about 600 KB) before reading an answer: the broker stops
     reading while its answers are not read, and answers every one once they are."""
@@ -195,14 +221,7 @@ async def test_requests_sent_far_ahead_of_reading_are_all_answered_in_order(pair
         reader, writer = await asyncio.open_connection("127.0.0.1", broker.http_port)
         writer.write(b"".join(_plain("u4", "tok4", _body()) for _ in range(3000)))
         await asyncio.sleep(1.5)  # longer than the head (1 s) and body (0.6 s) timeouts
-        statuses = []
-        for _ in range(3000):
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-            statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
-        writer.close()
-        wrong = [(i, s) for i, s in enumerate(statuses) if s != (b"200", b'{"accepted": 1, "rejected": []}')]
-        assert not wrong, (len(wrong), wrong[:3])  # short: pytest's diff of 3,000 answers takes minutes
+        await _all_accepted(reader, writer, 3000, _door(pair, broker))
 
 
 async def test_reading_resumes_when_the_requests_read_ahead_end_on_a_read_boundary(
@@ -222,18 +241,7 @@ async def test_reading_resumes_when_the_requests_read_ahead_end_on_a_read_bounda
         assert {len(r) for r in requests} == {256}
         reader, writer = await asyncio.open_connection("127.0.0.1", broker.http_port)
         writer.write(b"".join(requests))
-        statuses = []
-        try:
-            for _ in requests:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-                length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-                statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
-        except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
-            pytest.fail(f"{'fast' if broker is pair[0] else 'aiohttp'}: {exc!r} after {len(statuses)} answers")
-        finally:
-            writer.close()
-        wrong = [(i, s) for i, s in enumerate(statuses) if s != (b"200", b'{"accepted": 1, "rejected": []}')]
-        assert not wrong, (len(wrong), wrong[:3])
+        await _all_accepted(reader, writer, len(requests), _door(pair, broker), wait_s=5.0)
 
 
 def _shrink_send_buffer(port: int | None, size: int) -> None:
@@ -269,18 +277,7 @@ async def test_a_client_slow_to_read_its_answers_is_not_timed_out(pair: tuple[Br
         reader, writer = await asyncio.open_connection(sock=sock)
         writer.write(b"".join(_plain("u4", "tok4", _body()) for _ in range(2000)))
         await asyncio.sleep(2.0)  # the head timeout is 1 s, the body timeout 0.6 s
-        statuses = []
-        try:
-            for _ in range(2000):
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
-                statuses.append((head.split(b" ", 2)[1], await reader.readexactly(length)))
-        except (ConnectionResetError, asyncio.IncompleteReadError) as exc:
-            pytest.fail(f"{'fast' if broker is pair[0] else 'aiohttp'}: {exc!r} after {len(statuses)} answers")
-        finally:
-            writer.close()
-        wrong = [(i, s) for i, s in enumerate(statuses) if s != (b"200", b'{"accepted": 1, "rejected": []}')]
-        assert not wrong, (len(wrong), wrong[:3])
+        await _all_accepted(reader, writer, 2000, _door(pair, broker))
 
 
 async def test_a_fix_and_garbage_read_at_once_answer_the_fix_first(pair: tuple[Broker, Broker]) -> None:
