@@ -273,9 +273,7 @@ class FixConnection(asyncio.BufferedProtocol):
             raw = bytes(self._buf[head.end : head.end + head.length])
             del self._buf[: head.end + head.length]
             self._take(head, raw)
-        if self._read_paused and not self._busy and not self._write_paused and self._transport is not None:
-            self._read_paused = False  # what is left is not a whole request: read the rest
-            self._transport.resume_reading()
+        self._read_on()
 
     def _take(self, head: FixHead, raw: bytes) -> None:
         shared = self._shared
@@ -302,14 +300,17 @@ class FixConnection(asyncio.BufferedProtocol):
             self._answer_failure(exc, close, started)
         else:
             self._write(200, body, charset, (), close, started)
-        if self._transport is not None:
-            if self._buf:
-                self._serve()  # the requests read meanwhile
-            elif self._read_paused and not self._write_paused:
-                # Paused with only whole requests read ahead, now all answered: read on (else the
-                # connection would wait for its head timeout, then close on the client's requests).
-                self._read_paused = False
-                self._transport.resume_reading()
+        if self._buf:
+            self._serve()  # the requests read meanwhile
+        else:  # paused with only whole requests read ahead, now all answered
+            self._read_on()
+
+    def _read_on(self) -> None:
+        """Resume reading paused while requests waited, once none is being decided and the client
+        reads its answers (whatever is left in the buffer is less than a whole request)."""
+        if self._read_paused and not self._busy and not self._write_paused and self._transport is not None:
+            self._read_paused = False
+            self._transport.resume_reading()
 
     def _answer_failure(self, exc: Exception, close: bool, started: float) -> None:
         if isinstance(exc, HttpError):

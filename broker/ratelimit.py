@@ -107,9 +107,9 @@ class DedupWindow:
     new again once ``window_s`` and two quanta have passed (one at 600 s), either in between: never
     new early.
 
-    The pairs of the last ``window_s``/60 seconds (one second at least) sit in a dict; then they are merged into sorted
-    arrays, from which expired pairs are dropped then. The arrays hold a hash as its 16 top bits
-    implied by its place (``_starts``: where each of the 65,536 top-bit buckets begins, 256 KiB
+    The pairs of the last ``window_s``/60 seconds (one second at least) sit in a dict; then they are
+    merged into sorted arrays, from which expired pairs are dropped then. The arrays hold a hash as
+    its 16 top bits implied by its place (``_starts``: where each of the 65,536 top-bit buckets begins, 256 KiB
     whatever the load), 32 bits in ``_hi`` and the 16 low bits in ``_lo`` beside the 16 low bits
     of its first time in quanta (the time modulo 2¹⁶: the pairs kept are younger than the window,
     60,000 quanta, so their age is read back exactly from the time of the last merge).
@@ -188,8 +188,9 @@ class DedupWindow:
         his, lows = self._hi, self._lo
         ages = (np.uint32((merged & _MASK16) | (_MASK16 + 1)) - (lows & _MASK16)) & _MASK16
         live = ages <= window - (now - merged)
+        floors = np.arange(_BUCKETS, dtype=np.uint64) << 48  # each bucket's lowest hash
         keys = (his.astype(np.uint64) << 16) | (lows >> 16)
-        keys |= np.repeat(np.arange(_BUCKETS, dtype=np.uint64) << 48, np.diff(self._starts))
+        keys |= np.repeat(floors, np.diff(self._starts))
         times = lows & _MASK16
         if not live.all():
             keys, times = keys[live], times[live]
@@ -202,7 +203,7 @@ class DedupWindow:
             # A key of the dict was in the arrays only expired (else it was a duplicate): dropped above.
             at = np.searchsorted(keys, new_keys)
             keys, times = np.insert(keys, at, new_keys), np.insert(times, at, new_times)
-        self._starts[:-1] = np.searchsorted(keys, np.arange(_BUCKETS, dtype=np.uint64) << 48)
+        self._starts[:-1] = np.searchsorted(keys, floors)
         self._starts[-1] = keys.size
         self._hi = (keys >> 16).astype(np.uint32)  # the conversion keeps the 32 low bits
         lows = keys.astype(np.uint32)  # the 32 low bits
