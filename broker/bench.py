@@ -641,10 +641,10 @@ class Phase:
     """What one load phase measured over the middle of its run: the rates of what the server
     counted, and the load generators' CPU seconds per second, summed (``generator_cpu_cores``) and
     of the busiest process (``generator_cpu_max``: near 1.0, that generator had a whole core and
-    may be the bottleneck). ``cpu_us_per_item``: the server's CPU microseconds per item of the first
-    counter from the start of that interval until the server had worked off what it had received
-    (so a backlog it had read but not yet counted at the interval's end is neither missed nor
-    charged to the interval); None without a server pid or ``/proc``."""
+    may be the bottleneck). ``cpu_us_per_item``: the server's CPU microseconds (its child processes
+    included) per item of the first counter from the start of that interval until the server had
+    worked off what it had received (so a backlog it had read but not yet counted at the interval's
+    end is neither missed nor charged to the interval); None without a server pid or ``/proc``."""
 
     rates: list[float]
     cpu_us_per_item: float | None
@@ -653,6 +653,29 @@ class Phase:
     side_cpu_us_per_item: float | None = None
     """CPU microseconds of the ``side`` thread or process of :func:`_run_phase` per item of the
     first counter, over the measured interval."""
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """:func:`cpu_seconds` of ``pid`` with that of its children: the running ones (found by their
+    parent in ``/proc/*/stat``) and the ended ones it has reaped (its ``cutime`` + ``cstime``), so
+    that work a server hands to child processes (``[upstream] processes``) is charged to it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    total = sum(int(f) for f in fields[11:15]) / CLOCK_TICKS  # utime, stime, cutime, cstime
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or entry.name == str(pid):
+            continue
+        try:
+            child = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        rest = child[child.rindex(")") + 2 :].split()
+        if rest[1] == str(pid):
+            total += (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
+    return total
 
 
 def _cpu_of(pids: list[int]) -> list[float | None]:
@@ -694,7 +717,7 @@ def _run_phase(
     pids = [p.pid for p in procs if p.pid is not None] + extra_generators
     server = [] if server_pid is None else [server_pid]
     sides = [] if side is None else [side]
-    c0, g0, s0, m0, t0 = _cpu_of(server), _cpu_of(pids), _cpu_of(sides), sample(), time.monotonic()
+    c0, g0, s0, m0, t0 = _server_cpu(server), _cpu_of(pids), _cpu_of(sides), sample(), time.monotonic()
     time.sleep(max(started + duration - warm - t0, 0.5))
     g1, s1, m1, t1 = _cpu_of(pids), _cpu_of(sides), sample(), time.monotonic()
     for p in procs:
@@ -702,7 +725,7 @@ def _run_phase(
     for p in procs:
         p.join()
     drained = _drained(sample)
-    c2 = _cpu_of(server)
+    c2 = _server_cpu(server)
     wall = t1 - t0
     cpu_us: float | None = None
     if server and c0[0] is not None and c2[0] is not None and drained[0] > m0[0]:
@@ -718,6 +741,10 @@ def _run_phase(
         generator_cpu_max=round(max(spent), 3) if spent else None,
         side_cpu_us_per_item=side_us,
     )
+
+
+def _server_cpu(server: list[int]) -> list[float | None]:
+    return [tree_cpu_seconds(pid) for pid in server]
 
 
 def _drained(sample: Callable[[], list[float]], timeout_s: float = 60.0) -> list[float]:

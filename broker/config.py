@@ -72,6 +72,7 @@ class UpstreamConfig:
     retries: int = _c(2)
     deadline_s: float = _c(5.0)
     concurrency: int = _c(64)
+    processes: int = _c(1, "extension: child processes making the requests, 0 = the event loop's own")
     token_file: str = _c("")
 
 
@@ -272,11 +273,13 @@ class Config:
             for f in dataclasses.fields(obj):
                 v = getattr(obj, f.name)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    zero_ok = f.name in ("retries", "window_s", "trash_max", "max_clock_skew_s")
+                    zero_ok = f.name in ("retries", "window_s", "trash_max", "max_clock_skew_s", "processes")
                     if v < 0 or (v == 0 and not zero_ok):
                         raise ConfigError(f"{section}.{f.name}: must be {'≥ 0' if zero_ok else '> 0'}")
         if self.log.stats_interval_s < 0:
             raise ConfigError("log.stats_interval_s: must be ≥ 0 (0 turns the stats line off)")
+        if self.upstream.processes > self.upstream.concurrency:
+            raise ConfigError("upstream.processes: must be ≤ upstream.concurrency (each process holds a connection)")
         if self.mqtt.ingest_connections < 1:
             raise ConfigError("mqtt.ingest_connections: must be ≥ 1")
         if self.publish.trash_max >= 1:

@@ -16,7 +16,7 @@ from typing import Any
 
 from kcloak.broker.metrics import Metrics
 from kcloak.broker.stores import QueryLog
-from kcloak.broker.upstream import Candidate, SearchRequest, UpstreamClient, UpstreamError
+from kcloak.broker.upstream import Candidate, SearchRequest, Upstream, UpstreamError
 from kcloak.cloaking.cloakers import Region
 from kcloak.core.geometry import haversine_m
 from kcloak.core.logs import log_event
@@ -82,7 +82,7 @@ class Forwarder:
         algorithm: str,
         queue_capacity: int,
         metrics: Metrics,
-        upstream: UpstreamClient,
+        upstream: Upstream,
         querylog: QueryLog,
         background: Background,
         clock: Callable[[], float] = time.time,

@@ -37,7 +37,7 @@ from kcloak.broker.positions import Positions
 from kcloak.broker.profiles import Profiles
 from kcloak.broker.sessions import ContinuousQueries, SessionTable
 from kcloak.broker.stores import MovementStore, ProfileStore, QueryLog
-from kcloak.broker.upstream import UpstreamClient
+from kcloak.broker.upstream import Upstream
 from kcloak.cloaking.cloakers import REFUSAL_MESSAGES, Refusal
 from kcloak.cloaking.index import PositionIndex
 from kcloak.core.places import PlacesLayer
@@ -74,7 +74,7 @@ class Pipeline:
         profiles: ProfileStore,
         movement: MovementStore,
         querylog: QueryLog,
-        upstream: UpstreamClient,
+        upstream: Upstream,
         places: PlacesLayer | None = None,
         clock: Callable[[], float] = _now,
     ) -> None:

@@ -26,7 +26,8 @@ from kcloak.broker.metrics import Metrics
 from kcloak.broker.pipeline import Pipeline
 from kcloak.broker.stats import StatsLine
 from kcloak.broker.stores import DataDir, MovementStore, ProfileStore, QueryLog, StoreError, WriteHealth
-from kcloak.broker.upstream import UpstreamClient
+from kcloak.broker.upstream import Upstream, UpstreamClient
+from kcloak.broker.upstream_processes import UpstreamProcesses
 from kcloak.core.logs import log_event
 from kcloak.core.places import PlacesLayer, load_pois
 from kcloak.core.schemas import MOVEMENT_FILE, PROFILES_FILE, QUERYLOG_FILE
@@ -185,7 +186,14 @@ class Broker(Service):
             self._stack.push_async_callback(asyncio.to_thread, querylog.close)
         except StoreError as exc:
             raise StartupError(str(exc)) from None
-        upstream = await self._stack.enter_async_context(UpstreamClient.from_config(cfg.upstream, metrics=self.metrics))
+        upstream: Upstream
+        if cfg.upstream.processes:
+            upstream = await self._stack.enter_async_context(
+                UpstreamProcesses.from_config(cfg.upstream, metrics=self.metrics)
+            )
+        else:
+            client = UpstreamClient.from_config(cfg.upstream, metrics=self.metrics)
+            upstream = await self._stack.enter_async_context(client)
         places = None
         if cfg.cloaking.algorithm == "privacygrid":
             places = PlacesLayer.from_pois(load_pois(cfg.cloaking.places or None))

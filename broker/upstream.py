@@ -16,10 +16,11 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -71,6 +72,22 @@ class SearchRequest:
         return out
 
 
+class Upstream(Protocol):
+    """What the pipeline needs of the provider's side: :class:`UpstreamClient` (in the broker's
+    event loop) or :class:`kcloak.broker.upstream_processes.UpstreamProcesses` (child processes)."""
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection (the ``upstream`` queue)."""
+
+    @property
+    def healthy(self) -> bool | None:
+        """Whether the last request succeeded (None before the first)."""
+
+    async def search(self, request: SearchRequest) -> list[Candidate]:
+        """Candidates for ``request``; raises :class:`UpstreamError` when the policy gives up."""
+
+
 _RANDOM_BATCH = 4096
 """Bytes of the operating system's CSPRNG read at once for pseudonyms (256 of them per read)."""
 _random = bytearray()
@@ -115,12 +132,27 @@ class _Final(BrokerError):
         self.outcome = outcome
 
 
+def configured(cfg: UpstreamConfig) -> dict[str, Any]:
+    """The client's keyword arguments that ``[upstream]`` sets (the bearer token read from
+    ``token_file`` when one is set)."""
+    token = Path(cfg.token_file).read_text(encoding="utf-8").strip() if cfg.token_file else None
+    return {
+        "url": cfg.url,
+        "timeout_s": cfg.timeout_s,
+        "retries": cfg.retries,
+        "deadline_s": cfg.deadline_s,
+        "concurrency": cfg.concurrency,
+        "token": token,
+    }
+
+
 class UpstreamClient:
     """Async context manager owning the shared connection pool.
 
     Keyword arguments: ``url`` (base URL; ``/v1/search`` is appended), ``timeout_s`` (2.0),
     ``retries`` (2), ``deadline_s`` (5.0), ``concurrency`` (64), ``token`` (operator-wide bearer
-    token or None), ``metrics`` (or None).
+    token or None), ``metrics`` (or None), or instead of ``metrics`` the hooks ``on_attempt(outcome,
+    seconds)`` (each attempt) and ``on_retry()`` (each retry).
     """
 
     def __init__(
@@ -133,6 +165,8 @@ class UpstreamClient:
         concurrency: int = 64,
         token: str | None = None,
         metrics: Metrics | None = None,
+        on_attempt: Callable[[str, float], None] | None = None,
+        on_retry: Callable[[], None] | None = None,
     ) -> None:
         self.url = url.rstrip("/") + "/v1/search"
         self._path = ""
@@ -141,7 +175,12 @@ class UpstreamClient:
         self.deadline_s = deadline_s
         self.concurrency = concurrency
         self._token = token
-        self._metrics = metrics
+        if metrics is not None:
+            seconds, retried = metrics.upstream_seconds, metrics.upstream_retries
+            on_attempt = on_attempt or (lambda outcome, s: seconds.labels(outcome=outcome).observe(s))
+            on_retry = on_retry or retried.inc
+        self._on_attempt = on_attempt
+        self._on_retry = on_retry
         self._pool: HttpPool | None = None
         self._sem = asyncio.Semaphore(concurrency)
         self.waiting = 0
@@ -149,17 +188,8 @@ class UpstreamClient:
 
     @classmethod
     def from_config(cls, cfg: UpstreamConfig, *, metrics: Metrics | None = None) -> UpstreamClient:
-        """The client ``[upstream]`` configures (its bearer token read from ``token_file`` when one is set)."""
-        token = Path(cfg.token_file).read_text(encoding="utf-8").strip() if cfg.token_file else None
-        return cls(
-            url=cfg.url,
-            timeout_s=cfg.timeout_s,
-            retries=cfg.retries,
-            deadline_s=cfg.deadline_s,
-            concurrency=cfg.concurrency,
-            token=token,
-            metrics=metrics,
-        )
+        """The client ``[upstream]`` configures."""
+        return cls(**configured(cfg), metrics=metrics)
 
     async def __aenter__(self) -> UpstreamClient:
         headers = [("User-Agent", f"kcloak/{__version__}")]
@@ -218,8 +248,8 @@ class UpstreamClient:
                     pause = random.uniform(0, 0.1 * 2 ** (attempt - 1))
                     if time.monotonic() + pause >= deadline:
                         raise UpstreamError("deadline") from None
-                    if self._metrics is not None:
-                        self._metrics.upstream_retries.inc()
+                    if self._on_retry is not None:
+                        self._on_retry()
                     await asyncio.sleep(pause)
         finally:
             self._sem.release()
@@ -256,8 +286,8 @@ class UpstreamClient:
                 outcome = "invalid_response"
                 raise _Final(outcome) from None
         finally:
-            if self._metrics is not None:
-                self._metrics.upstream_seconds.labels(outcome=outcome).observe(time.perf_counter() - started)
+            if self._on_attempt is not None:
+                self._on_attempt(outcome, time.perf_counter() - started)
 
 
 def parse_candidates(raw: bytes, category: str | None) -> list[Candidate]:

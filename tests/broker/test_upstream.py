@@ -1,4 +1,8 @@
-"""``UpstreamClient`` against a scripted raw HTTP/1.1 server on 127.0.0.1 (contract §5, §10).
+"""The upstream client against a scripted raw HTTP/1.1 server on 127.0.0.1 (contract §5, §10).
+
+Every test runs twice: on ``UpstreamClient`` in the test's event loop (``upstream.processes = 0``)
+and on ``UpstreamProcesses``, which carries out the same policy in a child process (the default,
+``upstream.processes = 1``): the policy must not depend on where it runs.
 
 The provider here is a bare ``asyncio.start_server`` handler that parses each request (request
 line, headers, ``Content-Length`` body) and writes exactly the bytes a test chooses, so framing
@@ -23,7 +27,15 @@ import pytest
 
 from kcloak import __version__
 from kcloak.broker.metrics import Metrics
-from kcloak.broker.upstream import MAX_RESPONSE_BYTES, Candidate, SearchRequest, UpstreamClient, UpstreamError
+from kcloak.broker.upstream import (
+    MAX_RESPONSE_BYTES,
+    Candidate,
+    SearchRequest,
+    Upstream,
+    UpstreamClient,
+    UpstreamError,
+)
+from kcloak.broker.upstream_processes import UpstreamProcesses
 from kcloak.wire.net import free_port
 
 BBOX = [116.391204, 39.903381, 116.402877, 39.913012]
@@ -282,9 +294,22 @@ def retries(metrics: Metrics) -> int:
     return int(metrics.registry.get_sample_value("kcloak_upstream_retries_total") or 0)
 
 
-def client(url: str, metrics: Metrics | None = None, **options: Any) -> UpstreamClient:
+IN_PROCESSES = False
+"""Set by :func:`where`: :func:`client` gives an ``UpstreamProcesses`` (one child process)."""
+
+
+@pytest.fixture(autouse=True, params=["event-loop", "child-process"])
+def where(request: pytest.FixtureRequest) -> str:
+    global IN_PROCESSES
+    IN_PROCESSES = request.param == "child-process"
+    return str(request.param)
+
+
+def client(url: str, metrics: Metrics | None = None, **options: Any) -> UpstreamClient | UpstreamProcesses:
     values: dict[str, Any] = {"timeout_s": 1.0, "retries": 2, "deadline_s": 4.0, "concurrency": 8}
     values.update(options)
+    if IN_PROCESSES:
+        return UpstreamProcesses(url=url, metrics=metrics, **values)
     return UpstreamClient(url=url, metrics=metrics, **values)
 
 
@@ -294,7 +319,7 @@ def range_request(**values: Any) -> SearchRequest:
     return SearchRequest(**base)
 
 
-async def expect_failure(c: UpstreamClient, request: SearchRequest | None = None) -> None:
+async def expect_failure(c: Upstream, request: SearchRequest | None = None) -> None:
     with pytest.raises(UpstreamError):
         await c.search(request or range_request())
 
