@@ -63,7 +63,10 @@ async def stored_messages(nats_cluster: NatsCluster) -> list[bytes]:
         sub = await retried(lambda: js.pull_subscribe("kcloak.v1.update.>", durable="check"))
         stored: list[bytes] = []
         while len(stored) < info.state.messages:
-            stored += [m.data for m in await sub.fetch(info.state.messages - len(stored), timeout=5)]
+            # The new consumer's own leader may not be elected yet on a busy host (503, "no responders"):
+            # the cluster settling, read again as any reader would.
+            batch = await retried(partial(sub.fetch, info.state.messages - len(stored), timeout=5))
+            stored += [m.data for m in batch]
         return stored
     finally:
         await nc.close()
