@@ -624,16 +624,22 @@ def empty_http_handler(users: list[tuple[str, float, float]], duration_s: float,
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat`` utime + stime), or
-    None where there is no such file (the process has ended, or the system has no ``/proc``)."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name, or None where there is no such
+    file (the process has ended, or the system has no ``/proc``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces: count fields after it.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat`` utime + stime), or
+    None where there is no such file (the process has ended, or the system has no ``/proc``)."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 @dataclass(slots=True)
@@ -659,22 +665,13 @@ def tree_cpu_seconds(pid: int) -> float | None:
     """:func:`cpu_seconds` of ``pid`` with that of its children: the running ones (found by their
     parent in ``/proc/*/stat``) and the ended ones it has reaped (its ``cutime`` + ``cstime``), so
     that work a server hands to child processes (``[upstream] processes``) is charged to it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = _stat_fields(pid)
+    if fields is None:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
     total = sum(int(f) for f in fields[11:15]) / CLOCK_TICKS  # utime, stime, cutime, cstime
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or entry.name == str(pid):
-            continue
-        try:
-            child = (entry / "stat").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        rest = child[child.rindex(")") + 2 :].split()
-        if rest[1] == str(pid):
-            total += (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
+        if entry.name.isdigit() and (child := _stat_fields(entry.name)) is not None and child[1] == str(pid):
+            total += (int(child[11]) + int(child[12])) / CLOCK_TICKS
     return total
 
 

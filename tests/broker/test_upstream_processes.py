@@ -37,24 +37,16 @@ from tests.broker.test_upstream import (
     range_request,
     retries,
 )
+from tests.procs import descendants, running
 
 serve = test_upstream.serve
 """The scripted providers' fixture."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
 async def _gone(pid: int, within_s: float) -> bool:
     end = time.monotonic() + within_s
     while time.monotonic() < end:
-        if not _alive(pid):
+        if not running(pid):
             return True
         await asyncio.sleep(0.05)
     return False
@@ -243,7 +235,7 @@ def test_a_killed_broker_leaves_no_upstream_process(tmp_path: Path) -> None:
         end = time.monotonic() + 30
         while not children and time.monotonic() < end:
             time.sleep(0.1)
-            children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == serve_.pid]
+            children = sorted(descendants(serve_.pid))
         assert children, "kcloak serve started no upstream process"
         serve_.kill()
         serve_.wait()
@@ -251,10 +243,3 @@ def test_a_killed_broker_leaves_no_upstream_process(tmp_path: Path) -> None:
     finally:
         if serve_.poll() is None:
             serve_.kill()
-
-
-def _parent(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None

@@ -15,18 +15,10 @@ import pytest
 
 from kcloak.broker.cluster.natsconf import nats_server_binary
 from kcloak.cli._cluster_up import serve_argv
+from tests.procs import running
 
 pytestmark = pytest.mark.cluster
 distributed = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is not installed")
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def start_up(
@@ -68,7 +60,7 @@ def test_cluster_up_without_workers_then_ctrl_c_stops_everything(tmp_path: Path)
     try:
         roles = sorted((p["role"], p["name"]) for p in state["processes"])
         assert roles == [("dask", "scheduler"), ("dask", "worker-1"), ("nats", "n1"), ("nats", "n2"), ("nats", "n3")]
-        assert all(alive(pid) for pid in pids)
+        assert all(running(pid) for pid in pids)
 
         status = kcloak("cluster", "status", "--nats", ",".join(state["nats"]), "--json")
         assert status.returncode == 0, status.stderr
@@ -104,7 +96,7 @@ def test_cluster_up_without_workers_then_ctrl_c_stops_everything(tmp_path: Path)
         code = proc.wait(timeout=60)
     assert code == 0
     assert "kcloak cluster up: stopped" in out.read_text()
-    assert [pid for pid in pids if alive(pid)] == []
+    assert [pid for pid in pids if running(pid)] == []
 
 
 def test_sigkill_of_cluster_up_leaves_no_orphan(tmp_path: Path) -> None:
@@ -113,9 +105,9 @@ def test_sigkill_of_cluster_up_leaves_no_orphan(tmp_path: Path) -> None:
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 15
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert [pid for pid in pids if alive(pid)] == []
+    assert [pid for pid in pids if running(pid)] == []
 
 
 def test_one_node_cluster_up_is_ready_with_replicas_1(tmp_path: Path) -> None:

@@ -13,41 +13,12 @@ import json
 import os
 import socket
 import time
-from pathlib import Path
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.conformance.conftest import Servers
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process whose parent chain leads to ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    """The process exists and has not ended (a zombie has ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from tests.procs import descendants, running
 
 
 def _accepts(port: int) -> bool:
@@ -68,7 +39,7 @@ def test_kill9_closes_the_mqtt_port_and_leaves_nothing_running(servers: Servers)
     info = client.publish("kcloak/v1/update/app", json.dumps({"t": time.time(), "lat": 39.9, "lon": 116.4}), qos=1)
     info.wait_for_publish(timeout=10)
     assert info.is_published()
-    spawned = _descendants(served.proc.pid)
+    spawned = descendants(served.proc.pid)
     served.kill9()
     t0 = time.monotonic()
     while _accepts(port) and time.monotonic() - t0 < 5:
@@ -84,7 +55,7 @@ def test_kill9_closes_the_mqtt_port_and_leaves_nothing_running(servers: Servers)
     alive = spawned
     deadline = time.monotonic() + 1.0
     while alive and time.monotonic() < deadline:
-        alive = {pid for pid in spawned if _running(pid)}
+        alive = {pid for pid in spawned if running(pid)}
         time.sleep(0.05)
     for pid in alive:  # do not leave them behind, whatever the verdict
         with contextlib.suppress(ProcessLookupError):

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.procs import descendants
+
 SAMPLE_FIELDS = {
     "t_s": float,
     "interval_s": float,
@@ -114,24 +116,6 @@ def test_twenty_minute_soak_passes(tmp_path: Path) -> None:
     assert out.returncode == 0
 
 
-def _children(pid: int) -> set[int]:
-    """Every descendant of ``pid`` now, read from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - found
-        found |= frontier
-    return found
-
-
 SMALL = ("--sample-every", "4", "--warmup", "0", "--rate", "40", "--users", "50")
 
 
@@ -153,7 +137,7 @@ def test_a_signal_stops_the_children_and_still_reports(sig: signal.Signals) -> N
         seen.append(line)
         if "RSS" in line and "answers/s" in line:  # the first sample: the traffic is running
             break
-    children = _children(proc.pid)
+    children = descendants(proc.pid)
     assert len(children) >= 2, "".join(seen)  # kcloak serve and kcloak lbs (and their helpers)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
