@@ -96,6 +96,7 @@ class Forwarder:
         self.querylog = querylog
         self.background = background
         self.clock = clock
+        metrics.queue_depth.labels(queue="upstream").set_function(lambda: upstream.waiting)  # read when scraped
         self._log_rows: list[tuple[Any, ...]] = []
         background.before_wait(self._flush_log)
 
@@ -138,7 +139,6 @@ class Forwarder:
             candidates = []
         finally:
             timing.upstream += time.monotonic() - started
-            self.metrics.queue_depth.labels(queue="upstream").set(self.upstream.waiting)
         forwarded_t = self.clock()
         self._log(
             FORWARDED.row(

@@ -8,11 +8,15 @@ The registry also carries prometheus-client's process collector (``process_cpu_s
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client 0.26 lacks its "-> None"
 
@@ -45,6 +49,85 @@ class Gauge(_CachedLabels, prometheus_client.Gauge):
 
 class Histogram(_CachedLabels, prometheus_client.Histogram):
     pass
+
+
+class LoopHistogramChild:
+    """One label set of a :class:`LoopHistogram`: per-bucket counts (not cumulative) and the sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1  # the first bucket whose le ≥ amount
+        self.total += amount
+
+
+class LoopHistogram:
+    """A histogram observed only on the event loop's thread, for the query path's histograms (six
+    observations a query): an observation is a bisect and two additions, where prometheus-client's
+    takes two locks (0.4 µs against 2.2 µs a call here, 3.3 µs with ``labels``). Registered as a
+    collector, it is exposed exactly as a prometheus-client histogram of the same name, labels and
+    buckets (``_bucket`` cumulative by ``le``, ``_count``, ``_sum``). A scrape on another thread could
+    read one observation's bucket before its sum; scrapes run on the loop (``Metrics.render``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds) or len(set(bounds)) != len(bounds):
+            raise ValueError("buckets must be in increasing order")
+        if bounds[-1] != float("inf"):
+            bounds.append(float("inf"))
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(bounds)
+        self._calls: dict[object, LoopHistogramChild] = {}
+        self._children: dict[tuple[str, ...], LoopHistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: object, **named: object) -> LoopHistogramChild:
+        """The child of these label values (given by position or by name, as prometheus-client's)."""
+        call = values or tuple(named.items())
+        child = self._calls.get(call)
+        if child is None:
+            if values and named:
+                raise ValueError("label values by position or by name, not both")
+            if named and set(named) != set(self.labelnames):
+                raise ValueError(f"labels of {self.name}: {', '.join(self.labelnames)}")
+            key = tuple(str(v) for v in values) if values else tuple(str(named[n]) for n in self.labelnames)
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"labels of {self.name}: {', '.join(self.labelnames)}")
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = LoopHistogramChild(self.bounds)
+            self._calls[call] = child
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.bounds]  # type: ignore[no-untyped-call]  # untyped in 0.26
+        for key, child in list(self._children.items()):
+            cumulative, buckets = 0, []
+            for le, n in zip(les, list(child.counts), strict=True):
+                cumulative += n
+                buckets.append((le, float(cumulative)))
+            family.add_metric(list(key), buckets, child.total)
+        yield family
 
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -85,30 +168,30 @@ class Metrics:
         self.users_indexed = Gauge("kcloak_users_indexed", "Users in the position index", registry=r)
         self.queue_depth = Gauge("kcloak_queue_depth", "Items waiting in a bounded queue", ["queue"], registry=r)
         self.queue_capacity = Gauge("kcloak_queue_capacity", "Capacity of a bounded queue", ["queue"], registry=r)
-        self.cloak_seconds = Histogram(
+        self.cloak_seconds = LoopHistogram(
             "kcloak_cloak_seconds", "Time to cloak one query", ["algorithm"], buckets=LATENCY_BUCKETS, registry=r
         )
-        self.hold_seconds = Histogram(
+        self.hold_seconds = LoopHistogram(
             "kcloak_hold_seconds", "Time a query was held", ["algorithm"], buckets=HOLD_BUCKETS, registry=r
         )
-        self.added_latency = Histogram(
+        self.added_latency = LoopHistogram(
             "kcloak_added_latency_seconds",
             "Receipt to answer minus upstream and hold time",
             ["transport"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.upstream_seconds = Histogram(
+        self.upstream_seconds = LoopHistogram(
             "kcloak_upstream_seconds", "Upstream attempts", ["outcome"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.upstream_retries = Counter("kcloak_upstream_retries", "Upstream retries", registry=r)
-        self.upstream_candidates = Histogram(
+        self.upstream_candidates = LoopHistogram(
             "kcloak_upstream_candidates", "Candidate-set size", ["kind"], buckets=CANDIDATE_BUCKETS, registry=r
         )
-        self.region_area = Histogram(
+        self.region_area = LoopHistogram(
             "kcloak_region_area_m2", "Area of forwarded regions", ["algorithm"], buckets=AREA_BUCKETS, registry=r
         )
-        self.k_ratio = Histogram(
+        self.k_ratio = LoopHistogram(
             "kcloak_k_ratio", "k_achieved / k of forwarded regions", ["algorithm"], buckets=RATIO_BUCKETS, registry=r
         )
         self.store_commit = Histogram(

@@ -161,6 +161,7 @@ class SnapshotCloaking:
         self.views = views
         self.metrics = metrics
         self._queue: asyncio.Queue[_CloakJob] = asyncio.Queue(maxsize=capacity)
+        metrics.queue_depth.labels(queue="cloak").set_function(self._queue.qsize)  # read when scraped
 
     def full(self) -> bool:
         return self._queue.full()
@@ -171,7 +172,6 @@ class SnapshotCloaking:
             self._queue.put_nowait(_CloakJob(user, profile, self.positions.user_version(user), fut))
         except asyncio.QueueFull:
             return Refusal(ReasonCode.OVERLOADED, "the cloaking queue is full")
-        self.metrics.queue_depth.labels(queue="cloak").set(self._queue.qsize())
         result, view = await fut
         if isinstance(result, Refusal):
             return result
@@ -208,7 +208,6 @@ class SnapshotCloaking:
                     result = Refusal(ReasonCode.INTERNAL, "internal error")
             self.metrics.cloak_seconds.labels(algorithm=self.algorithm).observe(time.perf_counter() - started)
             job.future.set_result((result, view))
-        self.metrics.queue_depth.labels(queue="cloak").set(self._queue.qsize())
 
     def _cloak_batched(self, view: IndexView, jobs: list[_CloakJob]) -> list[_CloakJob]:
         """Micro-batch: cloak every waiting plain query with one ``cloak_batch`` call; returns the

@@ -470,7 +470,12 @@ class MqttDoor:
         if self._server is not None and type(self.pipeline) is Pipeline:
             # One process, embedded server: no other gateway can have answered, and publishing
             # does not wait, so the query's own task publishes its answer when it ends.
-            self.pipeline.start_query("mqtt", user, qid, obj).add_done_callback(partial(self._publish_answer, user))
+            # Its checks run at once (eager) unless a fix, batch or profile came in this loop turn:
+            # those are handed on in the next turn, and a query must not overtake them.
+            received = self._received
+            eager = not (received["update"] or received["updates"] or received["profile"])
+            started = self.pipeline.start_query("mqtt", user, qid, obj, eager=eager)
+            started.add_done_callback(partial(self._publish_answer, user))
             return
         task = asyncio.create_task(self._answer(user, qid, obj))
         self._tasks.add(task)

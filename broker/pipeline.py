@@ -26,6 +26,7 @@ from typing import Any
 
 from kcloak.broker.admission import Admission, Duplicate, QueryRejected
 from kcloak.broker.config import Config
+from kcloak.broker.eager import eager_task
 from kcloak.broker.forwarding import Background, Forwarder, Timing
 from kcloak.broker.history import RecentFixes
 from kcloak.broker.housekeeping import Housekeeping
@@ -274,9 +275,17 @@ class Pipeline:
         not stop the query (its answer is then discarded)."""
         return await asyncio.shield(self.start_query(transport, user, query_id, obj))
 
-    def start_query(self, transport: str, user: str, query_id: str, obj: dict[str, Any]) -> asyncio.Task[QueryOutcome]:
-        """Start an admitted query; the task never raises and the broker's shutdown waits for it."""
-        task = asyncio.create_task(self._run_query(transport, user, query_id, obj, time.monotonic()))
+    def start_query(
+        self, transport: str, user: str, query_id: str, obj: dict[str, Any], *, eager: bool = False
+    ) -> asyncio.Task[QueryOutcome]:
+        """Start an admitted query; the task never raises and the broker's shutdown waits for it.
+
+        ``eager``: the query's first step (its checks, up to the cloaking queue) runs in this call
+        when it is made from a protocol callback, not in the loop's next pass (:func:`eager_task`).
+        Only for a door that has nothing received before the query still waiting for that next
+        pass: the query must not overtake its user's own earlier fixes or profile."""
+        run = self._run_query(transport, user, query_id, obj, time.monotonic())
+        task = eager_task(run) if eager else asyncio.create_task(run)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return task

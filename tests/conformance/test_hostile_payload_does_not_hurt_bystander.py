@@ -24,6 +24,7 @@ from tests.conformance.conftest import Servers, metric
 class App:
     def __init__(self, port: int, user: str, token: str) -> None:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.kept: list[tuple[str, Any]] = []
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-app", protocol=paho.MQTTv311)
         self.c.username_pw_set(user, token)
         self.c.on_connect = lambda _c, _u, _f, rc, _p: self.events.put(("connect", rc.value))
@@ -36,11 +37,18 @@ class App:
         assert self.wait("connect") == 0
 
     def wait(self, kind: str, timeout: float = 15.0) -> Any:
+        """The next event of ``kind``; events of other kinds read meanwhile are kept for their own
+        wait (an answer may come before the PUBACK of a later fix)."""
+        for i, (got, value) in enumerate(self.kept):
+            if got == kind:
+                del self.kept[i]
+                return value
         deadline = time.monotonic() + timeout
         while True:
             got, value = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
             if got == kind:
                 return value
+            self.kept.append((got, value))
 
     def publish_all(self, messages: list[tuple[str, bytes]]) -> None:
         """Publish at QoS 1 back to back; returns once every one was acknowledged."""

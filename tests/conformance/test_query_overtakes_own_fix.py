@@ -64,6 +64,35 @@ def test_fix_then_query_on_one_paho_connection(servers: Servers) -> None:
     assert reasons.count("ok") == len(users), reasons
 
 
+def test_batch_then_query_on_one_paho_connection(servers: Servers) -> None:
+    """The same with the fix in a batch message (``kcloak/v1/updates/{user}``), and queries alone in
+    between: a query must not overtake a batch read in the same loop turn either."""
+    served = servers.serve(upstream=servers.lbs())
+    _crowd(served.url(""))
+    answers: queue.Queue[dict[str, object]] = queue.Queue()
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id="phone-2", protocol=paho.MQTTv311)
+    client.on_message = lambda _c, _u, msg: answers.put(json.loads(msg.payload))
+    assert served.mqtt_port is not None
+    client.connect("127.0.0.1", served.mqtt_port)
+    client.loop_start()
+    try:
+        users = [f"batch{i:02d}" for i in range(12)]
+        subs = [client.subscribe(f"kcloak/v1/answer/{u}", qos=1) for u in users]
+        assert all(rc == paho.MQTT_ERR_SUCCESS for rc, _ in subs)
+        time.sleep(0.5)
+        for i, user in enumerate(users):
+            fix = {"t": time.time(), "lat": CENTRE[0] + 0.0003, "lon": CENTRE[1] + 0.0004 + i * 1e-5}
+            client.publish(f"kcloak/v1/updates/{user}", json.dumps({"updates": [fix]}), qos=1)
+            query = {"query_id": f"b{i}", "kind": "knn", "n": 3}
+            client.publish(f"kcloak/v1/query/{user}", json.dumps(query), qos=1)
+        got = [answers.get(timeout=20) for _ in users]
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    reasons = [a.get("reason", a["status"]) for a in got]
+    assert reasons.count("ok") == len(users), reasons
+
+
 def test_fix_then_query_with_mosquitto_pub_back_to_back(servers: Servers) -> None:
     served = servers.serve(upstream=servers.lbs())
     _crowd(served.url(""))
