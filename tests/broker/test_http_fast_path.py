@@ -57,30 +57,40 @@ async def _answers(
     port: int | None, chunks: list[bytes], pause_s: float = 0.0, wait_s: float = 0.5
 ) -> tuple[list[Answer], bool]:
     """Send ``chunks`` on one connection; the answers read (status line, headers but ``Date``,
-    body) and whether the connection was closed by the broker within ``wait_s`` of the last one."""
+    body) and whether the connection was closed by the broker within ``wait_s`` of the last one.
+
+    Between chunks (``pause_s``) what is answered is read at once: an answer followed by a close is
+    then read before the next chunk is sent. Sent first, the next chunk can arrive unread at a
+    socket the broker closes, which makes the close a reset that may take the answer with it: the
+    likely cause of one CI failure (no answer, connection closed, not reproduced in 600 runs)."""
     assert port is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     answers: list[Answer] = []
-    closed = False
-    try:
-        for chunk in chunks:
-            writer.write(chunk)
-            if pause_s:
-                await asyncio.sleep(pause_s)
+
+    async def read_for(seconds: float) -> bool:
+        """Read answers until ``seconds`` pass without one; True when the broker closed."""
         while True:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
             except TimeoutError:
-                break
+                return False
             except asyncio.IncompleteReadError as exc:
-                closed = True
                 assert exc.partial == b""
-                break
+                return True
             lines = head[:-4].split(b"\r\n")
             headers = tuple(ln for ln in lines[1:] if not ln.lower().startswith(b"date:"))
             lengths = [int(ln.partition(b":")[2]) for ln in lines[1:] if ln.lower().startswith(b"content-length:")]
             length = lengths[0] if lengths else 0  # an interim answer (100 Continue) has no body
             answers.append((lines[0], headers, await reader.readexactly(length)))
+
+    closed = False
+    try:
+        for i, chunk in enumerate(chunks):
+            writer.write(chunk)
+            if pause_s and i < len(chunks) - 1 and await read_for(pause_s):
+                closed = True
+                break
+        closed = closed or await read_for(wait_s)
     except ConnectionResetError:
         closed = True
     finally:
